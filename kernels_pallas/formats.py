@@ -1,0 +1,172 @@
+"""Quantized weight formats: the one data layout every backend (CPU, TPU, GPU) reads.
+
+Formats
+  bf16   unquantized weights, same invariant kernels (values in the weight dtype, no scales).
+  w8a8   int8 weights, one f32 scale per output channel; activations quantized per token
+         (abs-max, int8) on the fly; int32 accumulation; y = (acc * s_x) * s_w.
+  w4a16  int4 weights, f32 scales per group of ``group_size`` rows of K (per channel when
+         group_size == K); activations stay bf16/f32; f32 accumulation group by group in
+         ascending K order, each group's partial product scaled inside the K loop.
+  w4a8   int4 weights (grouped as w4a16) x per-token int8 activations; int32 partial per group.
+
+Quantization is symmetric: q = clip(round_half_even(w / s), -qmax, qmax), s = absmax / qmax
+(s = 1 where a column/group is all zeros), qmax = 127 (int8) or 7 (int4).
+
+int4 packing ("group halves"): two int4 values per int8 byte, packed WITHIN each quantization
+group of G rows of K: packed row g*G/2 + j holds q[g*G + j] in its low nibble and
+q[g*G + G/2 + j] in its high nibble (j < G/2). A kernel walking K group by group loads G/2
+packed rows, unpacks them with two shifts (low = (p << 4) >> 4, high = p >> 4, arithmetic) into
+two [G/2, N] halves and needs no interleaving.
+
+Weights are stored [K, N] (input features first), as Flax kernels are. A leading expert axis
+[E, K, N] is allowed for the grouped MoE matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
+WEIGHT_BITS = {"bf16": None, "w8a8": 8, "w4a16": 4, "w4a8": 4}
+ACT_BITS = {"bf16": None, "w8a8": 8, "w4a16": None, "w4a8": 8}
+DEFAULT_GROUP_SIZE = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """Weights of one projection in one format (a pytree: arrays are leaves, the rest static).
+
+    values: bf16: the weight [.., K, N]; 8-bit: int8 [.., K, N]; 4-bit: packed int8 [.., K//2, N].
+    scales: f32 [.., K // group_size, N], or None for bf16.
+    """
+
+    values: jax.Array
+    scales: jax.Array | None
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def k(self) -> int:
+        rows = self.values.shape[-2]
+        return rows * 2 if WEIGHT_BITS[self.fmt] == 4 else rows
+
+    @property
+    def n(self) -> int:
+        return self.values.shape[-1]
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+
+
+def resolve_group_size(fmt: str, k: int, group_size: int | None) -> int:
+    """Group size along K for ``fmt``: per channel (K) for 8-bit, ``group_size`` (default 128,
+    capped at K) for 4-bit. Raises on a K the format cannot hold."""
+    check_format(fmt)
+    bits = WEIGHT_BITS[fmt]
+    if bits is None:
+        return k
+    if bits == 8:
+        if group_size not in (None, k):
+            raise ValueError(f"{fmt} uses one scale per output channel; got group_size={group_size} for K={k}")
+        return k
+    g = min(DEFAULT_GROUP_SIZE, k) if group_size is None else group_size
+    if k % 2:
+        raise ValueError(f"{fmt} packs two int4 values per byte along K; K={k} is odd")
+    if g <= 0 or g % 2 or k % g:
+        raise ValueError(f"{fmt}: K={k} is not a multiple of the group size {g} (which must be even)")
+    return g
+
+
+def _symmetric_quantize(w: jax.Array, bits: int, group_size: int) -> tuple[jax.Array, jax.Array]:
+    qmax = 2 ** (bits - 1) - 1
+    *lead, k, n = w.shape
+    groups = w.astype(jnp.float32).reshape(*lead, k // group_size, group_size, n)
+    absmax = jnp.max(jnp.abs(groups), axis=-2)
+    scales = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(groups / scales[..., None, :]), -qmax, qmax).astype(jnp.int8)
+    return q.reshape(*lead, k, n), scales
+
+
+def pack_int4(q: jax.Array, group_size: int) -> jax.Array:
+    """Pack int4 values (int8 in [-8, 7], shape [.., K, N]) two per byte, group halves layout."""
+    *lead, k, n = q.shape
+    halves = q.reshape(*lead, k // group_size, 2, group_size // 2, n)
+    low, high = halves[..., 0, :, :], halves[..., 1, :, :]
+    packed = (low & 0xF) | (high << 4)
+    return packed.astype(jnp.int8).reshape(*lead, k // 2, n)
+
+
+def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
+    """Inverse of :func:`pack_int4`: int8 [.., K//2, N] -> int8 values [.., K, N]."""
+    *lead, k2, n = packed.shape
+    p = packed.astype(jnp.int8).reshape(*lead, (2 * k2) // group_size, group_size // 2, n)
+    low = jnp.left_shift(p, 4) >> 4
+    high = p >> 4
+    return jnp.stack([low, high], axis=-3).reshape(*lead, 2 * k2, n)
+
+
+def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedWeight:
+    """Quantize a [.., K, N] weight into ``fmt``. Pure and deterministic (usable under jit)."""
+    k = w.shape[-2]
+    g = resolve_group_size(fmt, k, group_size)
+    bits = WEIGHT_BITS[fmt]
+    if bits is None:
+        return QuantizedWeight(values=w, scales=None, fmt=fmt, group_size=g)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"quantize expects floating-point weights, got {w.dtype}")
+    q, scales = _symmetric_quantize(w, bits, g)
+    values = pack_int4(q, g) if bits == 4 else q
+    return QuantizedWeight(values=values, scales=scales, fmt=fmt, group_size=g)
+
+
+def int_values(w: QuantizedWeight) -> jax.Array:
+    """The integer weights [.., K, N] (int8 dtype, int4 range for 4-bit formats)."""
+    if WEIGHT_BITS[w.fmt] == 4:
+        return unpack_int4(w.values, w.group_size)
+    return w.values
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight the quantized format represents, [.., K, N] in ``dtype`` (STE backward uses it)."""
+    if w.scales is None:
+        return w.values.astype(dtype)
+    q = int_values(w).astype(jnp.float32)
+    *lead, k, n = q.shape
+    g = w.group_size
+    deq = q.reshape(*lead, k // g, g, n) * w.scales[..., None, :]
+    return deq.reshape(*lead, k, n).astype(dtype)
+
+
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token (row) abs-max int8 quantization of [.., K] activations -> (int8, f32 [.., 1])."""
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def reference_matmul(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
+    """float64 / int64 numpy reference of what each format computes (no block order):
+    exact for w8a8 (int64 core), the ideal value for the float formats."""
+    x = np.asarray(x, dtype=np.float64)
+    if w.scales is None:
+        return x @ np.asarray(w.values, dtype=np.float64)
+    q = np.asarray(int_values(w), dtype=np.int64)
+    scales = np.asarray(w.scales, dtype=np.float64)
+    k, n = q.shape
+    g = w.group_size
+    if ACT_BITS[w.fmt] == 8:
+        xq, xs = (np.asarray(a) for a in quantize_activations(jnp.asarray(x, jnp.float32)))
+        xq = xq.astype(np.int64)
+        parts = np.stack([xq[:, i * g:(i + 1) * g] @ q[i * g:(i + 1) * g] for i in range(k // g)])
+        return np.einsum("gmn,gn->mn", parts.astype(np.float64), scales) * xs.astype(np.float64)
+    deq = (q.reshape(k // g, g, n) * scales[:, None, :]).reshape(k, n)
+    return x @ deq

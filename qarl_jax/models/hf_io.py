@@ -1,0 +1,318 @@
+"""Hugging Face checkpoint import/export: config.json + (sharded) safetensors + tokenizer.json.
+
+Tensors are streamed one at a time (read, transpose to the Flax [in, out] layout, cast, place on
+devices, drop), so peak host memory stays near the size of the parameters themselves. Experts are
+stored per expert on the Hub (``mlp.experts.{j}.gate_proj.weight``) and stacked [E, in, out] here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.qwen3 import Qwen3ForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A Hugging Face checkpoint that cannot be read as the model it claims to be."""
+
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class SafetensorsReader:
+    """Reads one tensor at a time with ``pread`` into a fresh array.
+
+    safetensors' own ``safe_open`` memory-maps the file, and every page it touches stays resident
+    until the file is closed: loading a one-file checkpoint that way costs twice its size in RSS.
+    Reading by offsets keeps only the parameters and the tensor in flight."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        try:
+            head = os.pread(self._fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                raise CheckpointError(f"{path}: not a safetensors file (header size {n}, file size {size})")
+            header = json.loads(os.pread(self._fd, n, 8))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            os.close(self._fd)
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+        except CheckpointError:
+            os.close(self._fd)
+            raise
+        header.pop("__metadata__", None)
+        self._base, self._size, self.tensors = 8 + n, size, header
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        begin, end = info["data_offsets"]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        if self._base + end > self._size:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ends at byte {self._base + end} but the file has "
+                f"{self._size} bytes; the file is truncated"
+            )
+        out = np.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+        if out.nbytes != end - begin:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < out.nbytes:
+            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: short read of tensor {name!r}")
+            done += got
+        return out
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def tensor_layout(config: Qwen3Config) -> Iterator[tuple[tuple[str, ...], str | list[str], tuple[int, ...]]]:
+    """(param path, HF tensor name(s), our shape) for every parameter; experts list one name each."""
+    c = config
+    h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    yield ("embed_tokens", "embedding"), "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        pre, hf = (f"layers_{i}",), f"model.layers.{i}."
+        attn = (
+            ("q_proj", c.hidden_size, h * d),
+            ("k_proj", c.hidden_size, kv * d),
+            ("v_proj", c.hidden_size, kv * d),
+            ("o_proj", h * d, c.hidden_size),
+        )
+        for name, k_in, n_out in attn:
+            yield pre + ("self_attn", name, "kernel"), f"{hf}self_attn.{name}.weight", (k_in, n_out)
+        for name in ("q_norm", "k_norm"):
+            yield pre + ("self_attn", name, "scale"), f"{hf}self_attn.{name}.weight", (d,)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            yield pre + (name, "scale"), f"{hf}{name}.weight", (c.hidden_size,)
+        if c.is_moe_layer(i):
+            e, inter = c.num_experts, c.moe_intermediate_size
+            yield pre + ("mlp", "router", "kernel"), f"{hf}mlp.gate.weight", (c.hidden_size, e)
+            for name, k_in, n_out in (("gate_proj", c.hidden_size, inter), ("up_proj", c.hidden_size, inter),
+                                      ("down_proj", inter, c.hidden_size)):
+                names = [f"{hf}mlp.experts.{j}.{name}.weight" for j in range(e)]
+                yield pre + ("mlp", "experts", name, "kernel"), names, (e, k_in, n_out)
+        else:
+            inter = c.intermediate_size
+            for name, k_in, n_out in (("gate_proj", c.hidden_size, inter), ("up_proj", c.hidden_size, inter),
+                                      ("down_proj", inter, c.hidden_size)):
+                yield pre + ("mlp", name, "kernel"), f"{hf}mlp.{name}.weight", (k_in, n_out)
+    yield ("norm", "scale"), "model.norm.weight", (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        yield ("lm_head", "kernel"), "lm_head.weight", (c.hidden_size, c.vocab_size)
+
+
+def _is_kernel(path: tuple[str, ...]) -> bool:
+    return path[-1] == "kernel"
+
+
+def _weight_files(ckpt: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Map every tensor name to the safetensors file holding it (index file, one file, or a glob)."""
+    index = ckpt / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = {name: ckpt / f for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.exists():
+                raise CheckpointError(f"{index} lists {f.name}, which is missing from {ckpt}")
+        return files
+    candidates = [ckpt / SINGLE_FILE] if (ckpt / SINGLE_FILE).exists() else sorted(ckpt.glob("*.safetensors"))
+    if not candidates:
+        raise CheckpointError(f"{ckpt}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
+    files = {}
+    for f in candidates:
+        reader = SafetensorsReader(f)
+        files.update({name: f for name in reader.keys()})
+        reader.close()
+    return files
+
+
+def _read(handles: dict, files: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in files:
+        where = sorted({p.name for p in files.values()})
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (files: {where})")
+    f = files[name]
+    if f not in handles:
+        handles[f] = SafetensorsReader(f)
+    if name not in handles[f].tensors:
+        raise CheckpointError(f"{f}: the index places tensor {name!r} here, but the file does not hold it")
+    arr = handles[f].read(name)
+    if arr.shape != shape:
+        raise CheckpointError(f"{f}: tensor {name!r} has shape {arr.shape}, the config implies {shape}")
+    return arr
+
+
+def _place(arr: np.ndarray, dtype, sharding) -> jax.Array:
+    arr = np.asarray(arr, dtype=dtype)
+    if sharding is None:
+        return jax.device_put(arr)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def load_params(
+    ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | None = None
+) -> dict:
+    """Stream the checkpoint's tensors into a params tree (optionally placed with ``shardings``,
+    a tree of ``jax.sharding.Sharding`` matching the params)."""
+    ckpt = pathlib.Path(ckpt)
+    files = _weight_files(ckpt)
+    dtype = jnp.dtype(config.param_dtype)
+    params: dict = {}
+    handles: dict = {}
+    expected = set()
+    try:
+        for path, names, shape in tensor_layout(config):
+            if isinstance(names, list):  # experts: stack [out, in] per expert into [E, in, out]
+                expected.update(names)
+                arr = np.empty(shape, dtype=dtype)
+                for j, name in enumerate(names):
+                    arr[j] = _read(handles, files, name, (shape[2], shape[1])).T
+            else:
+                expected.add(names)
+                hf_shape = (shape[1], shape[0]) if _is_kernel(path) else shape
+                arr = _read(handles, files, names, hf_shape)
+                arr = arr.T if _is_kernel(path) else arr
+            sharding = None
+            if shardings is not None:
+                sharding = shardings
+                for key in path:
+                    sharding = sharding[key]
+            node = params
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = _place(arr, dtype, sharding)
+            del arr
+    finally:
+        for handle in handles.values():
+            handle.close()
+    unexpected = sorted(set(files) - expected - {"lm_head.weight"})
+    if unexpected:
+        raise CheckpointError(
+            f"{ckpt}: {len(unexpected)} tensors do not belong to a {config.architecture} with this "
+            f"config, e.g. {unexpected[:5]}"
+        )
+    return params
+
+
+def load_config(ckpt: str | os.PathLike, **overrides) -> Qwen3Config:
+    f = pathlib.Path(ckpt) / "config.json"
+    if not f.exists():
+        raise CheckpointError(f"{ckpt}: config.json is missing (not a Hugging Face model directory?)")
+    try:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: invalid JSON ({e})") from e
+    return Qwen3Config.from_hf(raw, source=str(f), **overrides)
+
+
+def load_tokenizer(ckpt: str | os.PathLike):
+    """The checkpoint's ``tokenizer.json`` through ``tokenizers``, or None if it has none."""
+    from tokenizers import Tokenizer
+
+    f = pathlib.Path(ckpt) / "tokenizer.json"
+    if not f.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:
+        raise CheckpointError(f"{f}: cannot load tokenizer ({e})") from e
+
+
+def from_pretrained(
+    ckpt: str | os.PathLike,
+    dtype: str = "float32",
+    compute_dtype: str | None = None,
+    quant=None,
+    shardings: dict | None = None,
+):
+    """Load a local Hugging Face Qwen3 / Qwen3-MoE directory -> ``(model, params, tokenizer)``.
+
+    ``model.apply({"params": params}, tokens)`` gives logits. ``dtype`` is the parameter dtype,
+    ``compute_dtype`` the matmul dtype (default: ``dtype``); ``shardings`` places each tensor
+    directly with its sharding (see ``qarl_jax.sharding.param_shardings``)."""
+    config = load_config(ckpt, param_dtype=dtype, dtype=compute_dtype or dtype)
+    model = Qwen3ForCausalLM(config, quant)
+    return model, load_params(ckpt, config, shardings), load_tokenizer(ckpt)
+
+
+def _host_array(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(
+    ckpt: str | os.PathLike,
+    config: Qwen3Config,
+    params: dict,
+    tokenizer=None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Write ``params`` as a Hugging Face directory transformers loads (safetensors, sharded with an
+    index past ``max_shard_bytes``), plus config.json and tokenizer.json if given."""
+    ckpt = pathlib.Path(ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+
+    def add(name: str, arr: np.ndarray):
+        nonlocal size
+        if size and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(arr)
+        size += arr.nbytes
+
+    for path, names, _ in tensor_layout(config):
+        node = params
+        for key in path:
+            node = node[key]
+        arr = _host_array(node)
+        if isinstance(names, list):
+            for j, name in enumerate(names):
+                add(name, arr[j].T)
+        else:
+            add(names, arr.T if _is_kernel(path) else arr)
+    for old in list(ckpt.glob("*.safetensors")) + [ckpt / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(ckpt / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(ckpt / fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+            total += sum(a.nbytes for a in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (ckpt / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (ckpt / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(str(ckpt / "tokenizer.json"))

@@ -1,0 +1,264 @@
+"""Qwen3 dense and Qwen3-MoE causal LMs in Flax linen.
+
+Numerically the Hugging Face models (checked against transformers in the tests), with two seams
+that the rest of qarl-jax relies on: every projection goes through ``qarl_jax.quant.dot`` /
+``grouped_dot`` (one matmul entry point: quantized kernels plug in everywhere at once) and every
+row-wise op through ``qarl_jax.models.ops``. Parameters and activations carry logical axis names
+(see ``qarl_jax.sharding``).
+
+Two entry points share the weights:
+  ``model.apply(v, tokens, positions=None, segment_ids=None)`` -> logits  (training / scoring)
+  ``model.apply(v, tokens, positions, cache, method="decode")`` -> (logits, cache)  (rollout)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qarl_jax import quant
+from qarl_jax.models import ops
+from qarl_jax.models.config import Qwen3Config
+
+_INIT_STD = 0.02
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer: k, v [layers, batch(slots), max_len, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
+        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        dtype = dtype or jnp.dtype(config.dtype)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+    init = init or nn.initializers.normal(_INIT_STD)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class Dense(nn.Module):
+    """A bias-free projection [.., K] -> [.., N] through the single quantization-aware matmul."""
+
+    features: int
+    kind: str  # attention | mlp | lm_head | router: selects the format in QuantSpec
+    axes: tuple[str | None, str | None]
+    config: Qwen3Config
+    quant: quant.QuantSpec | None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype))
+        return quant.dot(x.astype(self.config.dtype), kernel, self.quant, self.kind)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = _param(self, "scale", (self.dim,), ("norm",), jnp.dtype(self.param_dtype), nn.initializers.ones)
+        return ops.rms_norm(x, scale, self.eps)
+
+
+class Attention(nn.Module):
+    config: Qwen3Config
+    quant: quant.QuantSpec | None
+
+    @nn.compact
+    def __call__(self, x, positions, mask, layer_cache=None):
+        c = self.config
+        b, t, _ = x.shape
+        h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)  # noqa: E731
+        q = dense(h * d, ("embed", "q_heads"), "q_proj")(x).reshape(b, t, h, d)
+        k = dense(kv * d, ("embed", "kv_heads"), "k_proj")(x).reshape(b, t, kv, d)
+        v = dense(kv * d, ("embed", "kv_heads"), "v_proj")(x).reshape(b, t, kv, d)
+        q = RMSNorm(d, c.rms_norm_eps, c.param_dtype, name="q_norm")(q)
+        k = RMSNorm(d, c.rms_norm_eps, c.param_dtype, name="k_norm")(k)
+        q = ops.rope(q, positions, c.rope_theta)
+        k = ops.rope(k, positions, c.rope_theta)
+        if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
+            ck, cv = layer_cache
+            rows = jnp.arange(b)[:, None]
+            k = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
+            v = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
+            layer_cache = (k, v)
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        out = nn.with_logical_constraint(out.reshape(b, t, h * d), ("batch", "length", "act_heads"))
+        return dense(c.hidden_size, ("q_heads", "embed"), "o_proj")(out), layer_cache
+
+
+class MLP(nn.Module):
+    config: Qwen3Config
+    quant: quant.QuantSpec | None
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)  # noqa: E731
+        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
+        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
+        hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
+
+
+class _Kernel(nn.Module):
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return _param(self, "kernel", self.shape, self.axes, jnp.dtype(self.param_dtype))
+
+
+class ExpertWeights(nn.Module):
+    """The experts' stacked projections gate_proj, up_proj, down_proj: kernels [E, K, N]."""
+
+    config: Qwen3Config
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        c = self.config
+        e, hdim, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        up_axes, down_axes = ("experts", "embed", "expert_mlp"), ("experts", "expert_mlp", "embed")
+        return (
+            _Kernel((e, hdim, inter), up_axes, c.param_dtype, name="gate_proj")(),
+            _Kernel((e, hdim, inter), up_axes, c.param_dtype, name="up_proj")(),
+            _Kernel((e, inter, hdim), down_axes, c.param_dtype, name="down_proj")(),
+        )
+
+
+class MoE(nn.Module):
+    """Top-k routed experts, dropless: every (token, expert) pair is computed, none is dropped.
+
+    Pairs are sorted by expert into contiguous groups for one grouped matmul per projection
+    (static shapes: tokens * top_k rows whatever the routing)."""
+
+    config: Qwen3Config
+    quant: quant.QuantSpec | None
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        b, t, hdim = x.shape
+        e, k = c.num_experts, c.num_experts_per_tok
+        tokens = x.reshape(b * t, hdim)
+        logits = Dense(e, "router", ("embed", None), c, self.quant, name="router")(tokens)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)
+        if c.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights.astype(c.dtype)
+
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        rows = tokens[order // k]
+        group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
+        w_gate, w_up, w_down = ExpertWeights(c, name="experts")()
+        rows = rows.astype(c.dtype)
+        gate = quant.grouped_dot(rows, w_gate, group_sizes, self.quant, "experts")
+        up = quant.grouped_dot(rows, w_up, group_sizes, self.quant, "experts")
+        out = quant.grouped_dot(nn.silu(gate) * up, w_down, group_sizes, self.quant, "experts")
+        out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
+        return jnp.sum(out * weights[..., None], axis=1).reshape(b, t, hdim)
+
+
+class DecoderLayer(nn.Module):
+    config: Qwen3Config
+    layer: int
+    quant: quant.QuantSpec | None
+
+    @nn.compact
+    def __call__(self, x, positions, mask, layer_cache=None):
+        c = self.config
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="input_layernorm")(x)
+        h, layer_cache = Attention(c, self.quant, name="self_attn")(h, positions, mask, layer_cache)
+        x = x + h
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="post_attention_layernorm")(x)
+        ffn = MoE if c.is_moe_layer(self.layer) else MLP
+        x = x + ffn(c, self.quant, name="mlp")(h)
+        return nn.with_logical_constraint(x, ("batch", "length", "act_embed")), layer_cache
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 / Qwen3-MoE causal LM. ``quant=None`` runs plain XLA matmuls (the HF-parity path)."""
+
+    config: Qwen3Config
+    quant: quant.QuantSpec | None = None
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(_INIT_STD), ("vocab", "embed")),
+            param_dtype=jnp.dtype(c.param_dtype),
+            dtype=jnp.dtype(c.dtype),
+        )
+        self.layers = [DecoderLayer(c, i, self.quant) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Dense(c.vocab_size, "lm_head", ("embed", "vocab"), c, self.quant)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            return quant.dot(x, self.embed_tokens.embedding.T, self.quant, "lm_head")
+        return self.lm_head(x)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
+        """Full-sequence forward. tokens [B, T]; positions default to 0..T-1; segment_ids [B, T]
+        mark packed sequences (0 = padding): a token attends to earlier tokens of its own segment."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = causal[None] & same & (segment_ids[:, None, :] != 0)
+        x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "act_embed"))
+        for layer in self.layers:
+            x, _ = layer(x, positions, mask)
+        return self._logits(x)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+        """Incremental forward over a KV cache (prefill when T > 1, one decode step when T == 1).
+
+        Each row is one sequence (a rollout slot); token t of row b sits at positions[b, t] and
+        attends to every cached position <= its own. Positions >= cache length are dropped."""
+        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
+        x = self.embed_tokens(tokens)
+        all_k, all_v = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            x, (k, v) = layer(x, positions, mask, (all_k[i], all_v[i]))
+            all_k, all_v = all_k.at[i].set(k), all_v.at[i].set(v)  # in place under jit
+        return self._logits(x), KVCache(k=all_k, v=all_v)
+
+
+def init_fn(model: Qwen3ForCausalLM):
+    """rng -> params (plain arrays). Always run under jit: the same program whether or not it is
+    sharded, so sharded and single-device inits give the same bits."""
+    return lambda rng: nn.meta.unbox(model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"])
+
+
+def init_params(model: Qwen3ForCausalLM, rng: jax.Array) -> dict:
+    """Single-device parameter init. See ``qarl_jax.sharding.init_sharded`` for meshes."""
+    return jax.jit(init_fn(model))(rng)

@@ -1,0 +1,128 @@
+"""Device mesh, logical-axis rules and the shard_map helper every custom kernel runs under.
+
+Parameters and activations are annotated with logical axis names (``embed``, ``mlp``, ``batch``,
+...). Rules map them onto the mesh axes ``data``, ``fsdp``, ``tensor`` and ``expert``; changing the
+parallelism is a config change, not a code change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from qarl_jax.models.qwen3 import init_fn
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# logical name -> mesh axis (or axes, or None = replicated)
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; one axis may be -1 to take the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        sizes = {a: getattr(self, a) for a in MESH_AXES}
+        free = [a for a, s in sizes.items() if s == -1]
+        bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+        if bad or len(free) > 1:
+            raise ValueError(f"mesh axes must be positive with at most one -1, got {sizes}")
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if free:
+            if num_devices % known:
+                raise ValueError(f"cannot fill mesh axis {free[0]!r}: {num_devices} devices, fixed axes {sizes}")
+            sizes[free[0]] = num_devices // known
+        if math.prod(sizes.values()) != num_devices:
+            raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, {num_devices} available")
+        known_axes = set(MESH_AXES)
+        for logical, axes in self.rules:
+            for a in (axes,) if isinstance(axes, str) else axes or ():
+                if a not in known_axes:
+                    raise ValueError(f"sharding rule {logical!r} -> {axes!r} names unknown mesh axis {a!r}")
+        return sizes
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = config.shape(len(devices))
+    arr = np.asarray(devices).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=DEFAULT_RULES):
+    """Make ``mesh`` and the logical rules current, so the models' activation constraints apply."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def logical_to_sharding(tree, mesh: Mesh, rules=DEFAULT_RULES):
+    """Boxed (logically partitioned) tree -> matching tree of NamedSharding (unboxed structure)."""
+    specs = nn.get_partition_spec(tree)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+    """NamedSharding for every parameter of ``model`` (for init, loading and the train step)."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    return logical_to_sharding(abstract, mesh, rules)["params"]
+
+
+def init_sharded(model: nn.Module, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+    """Initialise parameters directly in their shards (no device ever holds the whole model)."""
+    return jax.jit(init_fn(model), out_shardings=param_shardings(model, mesh, rules))(rng)
+
+
+def shard_map_kernel(
+    kernel: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...], out_specs: PartitionSpec
+) -> Callable:
+    """Run ``kernel`` once per device on its local shards.
+
+    A ``pallas_call`` under plain ``jit`` is opaque to the partitioner, which then all-gathers its
+    operands and runs the whole op on every device; under ``shard_map`` each device runs the kernel
+    on its own block. Specs must not split a dimension the kernel reduces over, unless the kernel
+    itself reduces across devices."""
+    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def matmul_specs(mesh: Mesh, rules, x_axes: tuple, w_axes: tuple) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
+    """shard_map specs for ``x [..., K] @ w [K, N]``: rows keep their sharding, N keeps its sharding,
+    and K is gathered (FSDP weights are all-gathered before the kernel, never reduced in it)."""
+    x_spec = nn.logical_to_mesh_axes(x_axes[:-1] + (None,), rules)
+    w_spec = nn.logical_to_mesh_axes((None, w_axes[-1]), rules)
+    out_spec = PartitionSpec(*x_spec[:-1], w_spec[-1])
+    return (x_spec, w_spec), out_spec
+
+
+def place(tree, shardings):
+    """Device-put a host tree with a matching tree of shardings."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)

@@ -1,0 +1,186 @@
+"""Hugging Face import/export: round trips, transformers reading our files, streaming memory, errors."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import make_hf_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from qarl_jax.models import CheckpointError, Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
+
+
+def _leaves_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _word_tokenizer() -> Tokenizer:
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "one", "plus", "two", "is", "three"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_export_import_round_trip_is_bitwise(tmp_path, name):
+    config = preset(name)
+    params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))
+    save_pretrained(tmp_path, config, params, tokenizer=_word_tokenizer())
+    model, loaded, tok = from_pretrained(tmp_path)
+    assert model.config.to_hf() == config.to_hf()
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    assert _leaves_equal(loaded, params)
+    assert tok.encode("one plus two").ids == [2, 3, 4]
+
+
+def test_sharded_export_writes_index_and_reloads(tmp_path):
+    config = preset("qwen3-moe-tiny")
+    params = init_params(Qwen3ForCausalLM(config), jax.random.key(2))
+    save_pretrained(tmp_path, config, params, max_shard_bytes=1 << 20)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    _, loaded, _ = from_pretrained(tmp_path)
+    assert _leaves_equal(loaded, params)
+
+
+@pytest.mark.parametrize("case", ["dense-untied-gqa2", "moe-top2-norm-mlponly"])
+def test_transformers_loads_our_export(tmp_path, case):
+    hf = make_hf_model(case, seed=7)
+    hf.save_pretrained(tmp_path / "orig")
+    model, params, _ = from_pretrained(tmp_path / "orig")
+    save_pretrained(tmp_path / "ours", model.config, params)
+    reloaded = type(hf).from_pretrained(tmp_path / "ours").eval()
+    tokens = torch.tensor(np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 9)))
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(), hf(tokens).logits.numpy())
+    ours = np.asarray(model.apply({"params": params}, jnp.asarray(tokens.numpy())))
+    np.testing.assert_allclose(ours, hf(tokens).logits.detach().numpy(), atol=1e-4)
+
+
+def test_bfloat16_load(tmp_path):
+    hf = make_hf_model("dense-tied-mha")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    model, params, _ = from_pretrained(tmp_path, dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+    logits = model.apply({"params": params}, jnp.zeros((1, 4), jnp.int32))
+    assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits.astype(jnp.float32)).all())
+
+
+_PEAK_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, jax
+    from qarl_jax.models import from_pretrained
+    jax.numpy.zeros(1).block_until_ready()
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) * 1024
+    base = hwm()
+    # reset the high-water mark so only the load counts
+    open("/proc/self/clear_refs", "w").write("5")
+    base = hwm()
+    model, params, _ = from_pretrained(sys.argv[1])
+    jax.block_until_ready(params)
+    print(hwm() - base)
+    """
+)
+
+
+def test_streaming_load_peak_memory_below_1_5x_checkpoint(tmp_path):
+    """A ~200 MB checkpoint loads with peak RSS growth < 1.5x its size (tensors are streamed)."""
+    config = preset("qwen3-tiny").replace(
+        vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+    )
+    rng = np.random.default_rng(0)
+    abstract = jax.eval_shape(lambda: init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape, dtype=np.float32), abstract)
+    save_pretrained(tmp_path, config, params, max_shard_bytes=64 << 20)
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    del params
+    assert size > 180e6
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = int(out.stdout.split()[-1])
+    assert peak < 1.5 * size, (peak / size)
+
+
+# ---- error paths: each names the file and/or tensor -------------------------------------------
+
+@pytest.fixture
+def good_ckpt(tmp_path):
+    config = preset("qwen3-tiny")
+    save_pretrained(tmp_path, config, init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
+    return tmp_path
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        from_pretrained(tmp_path)
+
+
+def test_missing_weights(good_ckpt):
+    (good_ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        from_pretrained(good_ckpt)
+
+
+def test_unknown_architecture(good_ckpt):
+    cfg = json.loads((good_ckpt / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (good_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        from_pretrained(good_ckpt)
+
+
+def test_unsupported_rope_scaling(good_ckpt):
+    cfg = json.loads((good_ckpt / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+    (good_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        from_pretrained(good_ckpt)
+
+
+def test_shape_mismatch_names_tensor(good_ckpt):
+    cfg = json.loads((good_ckpt / "config.json").read_text())
+    cfg["intermediate_size"] = 256
+    (good_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight'"):
+        from_pretrained(good_ckpt)
+
+
+def test_missing_tensor_names_it(good_ckpt):
+    cfg = json.loads((good_ckpt / "config.json").read_text())
+    cfg["num_hidden_layers"] = 5
+    (good_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.4.self_attn.q_proj.weight' is missing"):
+        from_pretrained(good_ckpt)
+
+
+def test_unexpected_tensors_are_reported(good_ckpt):
+    cfg = json.loads((good_ckpt / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (good_ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"do not belong.*model.layers.3"):
+        from_pretrained(good_ckpt)
+
+
+def test_truncated_safetensors_names_file(good_ckpt):
+    f = good_ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        from_pretrained(good_ckpt)
+
+
+def test_index_pointing_to_missing_shard(good_ckpt):
+    (good_ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match="gone.safetensors.*missing"):
+        from_pretrained(good_ckpt)

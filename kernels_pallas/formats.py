@@ -74,7 +74,9 @@ def resolve_group_size(fmt: str, k: int, group_size: int | None) -> int:
         return k
     if bits == 8:
         if group_size not in (None, k):
-            raise ValueError(f"{fmt} uses one scale per output channel; got group_size={group_size} for K={k}")
+            raise ValueError(
+                f"{fmt} uses one scale per output channel; got group_size={group_size} for K={k}"
+            )
         return k
     g = min(DEFAULT_GROUP_SIZE, k) if group_size is None else group_size
     if k % 2:
@@ -166,7 +168,7 @@ def reference_matmul(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
     if ACT_BITS[w.fmt] == 8:
         xq, xs = (np.asarray(a) for a in quantize_activations(jnp.asarray(x, jnp.float32)))
         xq = xq.astype(np.int64)
-        parts = np.stack([xq[:, i * g:(i + 1) * g] @ q[i * g:(i + 1) * g] for i in range(k // g)])
+        parts = np.stack([xq[:, i * g : (i + 1) * g] @ q[i * g : (i + 1) * g] for i in range(k // g)])
         return np.einsum("gmn,gn->mn", parts.astype(np.float64), scales) * xs.astype(np.float64)
     deq = (q.reshape(k // g, g, n) * scales[:, None, :]).reshape(k, n)
     return x @ deq

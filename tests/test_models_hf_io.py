@@ -13,11 +13,14 @@ import torch
 from hf_reference import make_hf_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from qarl_jax.models import CheckpointError, Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
-
-
-def _leaves_equal(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+from qarl_jax.models import (
+    CheckpointError,
+    Qwen3ForCausalLM,
+    from_pretrained,
+    init_params,
+    preset,
+    save_pretrained,
+)
 
 
 def _word_tokenizer() -> Tokenizer:
@@ -35,7 +38,7 @@ def test_export_import_round_trip_is_bitwise(tmp_path, name):
     model, loaded, tok = from_pretrained(tmp_path)
     assert model.config.to_hf() == config.to_hf()
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
-    assert _leaves_equal(loaded, params)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
     assert tok.encode("one plus two").ids == [2, 3, 4]
 
 
@@ -46,7 +49,7 @@ def test_sharded_export_writes_index_and_reloads(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     _, loaded, _ = from_pretrained(tmp_path)
-    assert _leaves_equal(loaded, params)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
 @pytest.mark.parametrize("case", ["dense-untied-gqa2", "moe-top2-norm-mlponly"])
@@ -95,8 +98,14 @@ _PEAK_SCRIPT = textwrap.dedent(
 def test_streaming_load_peak_memory_below_1_5x_checkpoint(tmp_path):
     """A ~200 MB checkpoint loads with peak RSS growth < 1.5x its size (tensors are streamed)."""
     config = preset("qwen3-tiny").replace(
-        vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
     )
     rng = np.random.default_rng(0)
     abstract = jax.eval_shape(lambda: init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
@@ -105,14 +114,20 @@ def test_streaming_load_peak_memory_below_1_5x_checkpoint(tmp_path):
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     del params
     assert size > 180e6
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     peak = int(out.stdout.split()[-1])
-    assert peak < 1.5 * size, (peak / size)
+    assert peak < 1.5 * size, peak / size
 
 
 # ---- error paths: each names the file and/or tensor -------------------------------------------
+
 
 @pytest.fixture
 def good_ckpt(tmp_path):
@@ -152,7 +167,9 @@ def test_shape_mismatch_names_tensor(good_ckpt):
     cfg = json.loads((good_ckpt / "config.json").read_text())
     cfg["intermediate_size"] = 256
     (good_ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight'"
+    ):
         from_pretrained(good_ckpt)
 
 
@@ -181,6 +198,8 @@ def test_truncated_safetensors_names_file(good_ckpt):
 
 
 def test_index_pointing_to_missing_shard(good_ckpt):
-    (good_ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    (good_ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "gone.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="gone.safetensors.*missing"):
         from_pretrained(good_ckpt)

@@ -38,11 +38,15 @@ def test_kv_cache_decode_reproduces_full_forward(pair):
     # prefill the first 4 tokens in one call, then decode one token at a time
     cache = KVCache.init(model.config, batch=3, max_len=16)
     positions = jnp.broadcast_to(jnp.arange(4), (3, 4))
-    logits, cache = model.apply({"params": params}, jnp.asarray(tokens[:, :4]), positions, cache, method="decode")
+    logits, cache = model.apply(
+        {"params": params}, jnp.asarray(tokens[:, :4]), positions, cache, method="decode"
+    )
     steps = [np.asarray(logits)]
     for t in range(4, 10):
         pos = jnp.full((3, 1), t)
-        logits, cache = model.apply({"params": params}, jnp.asarray(tokens[:, t : t + 1]), pos, cache, method="decode")
+        logits, cache = model.apply(
+            {"params": params}, jnp.asarray(tokens[:, t : t + 1]), pos, cache, method="decode"
+        )
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
 

@@ -17,10 +17,6 @@ MESHES = {
 }
 
 
-def _equal(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_eight_fake_devices():
     assert jax.device_count() == 8
 
@@ -49,7 +45,7 @@ def test_sharded_init_equals_single_device(name):
     model = Qwen3ForCausalLM(preset(name))
     mesh = sh.make_mesh(MESHES[name])
     sharded = sh.init_sharded(model, jax.random.key(3), mesh)
-    assert _equal(sharded, init_params(model, jax.random.key(3)))
+    jax.tree.map(np.testing.assert_array_equal, sharded, init_params(model, jax.random.key(3)))
     q = sharded["layers_1"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == P("fsdp", "tensor")
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
@@ -66,14 +62,16 @@ def test_sharded_load_and_forward(tmp_path, name):
     save_pretrained(tmp_path, config, params)
     mesh = sh.make_mesh(MESHES[name])
     _, loaded, _ = from_pretrained(tmp_path, shardings=sh.param_shardings(model, mesh))
-    assert _equal(loaded, params)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
     assert loaded["embed_tokens"]["embedding"].sharding.spec == P("tensor", "fsdp")
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (8, 16)))
     with sh.activate(mesh):
         out = jax.jit(model.apply)({"params": loaded}, tokens)
     batch_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     assert out.addressable_shards[0].data.shape[0] == 8 // batch_ways  # activations stay batch-sharded
-    np.testing.assert_allclose(np.asarray(out), np.asarray(model.apply({"params": params}, tokens)), atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(model.apply({"params": params}, tokens)), atol=2e-5
+    )
 
 
 def test_shard_map_kernel_runs_on_local_shards_hlo():
@@ -82,8 +80,11 @@ def test_shard_map_kernel_runs_on_local_shards_hlo():
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=2, tensor=2))
     rules = sh.DEFAULT_RULES
     (x_spec, w_spec), out_spec = sh.matmul_specs(mesh, rules, ("batch", "act_embed"), ("embed", "mlp"))
-    assert (x_spec, w_spec, out_spec) == (P(("data", "fsdp", "expert"), None), P(None, "tensor"),
-                                          P(("data", "fsdp", "expert"), "tensor"))
+    assert (x_spec, w_spec, out_spec) == (
+        P(("data", "fsdp", "expert"), None),
+        P(None, "tensor"),
+        P(("data", "fsdp", "expert"), "tensor"),
+    )
 
     def kernel(x, w):  # stands for a pallas_call: any per-device computation
         return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)

@@ -76,13 +76,15 @@ class Qwen3Config:
             )
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]"
             )
         if self.is_moe and self.moe_intermediate_size <= 0:
             raise ValueError("a MoE config needs moe_intermediate_size > 0")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"Qwen3Config.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"Qwen3Config.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}"
+                )
 
     @property
     def is_moe(self) -> bool:
@@ -107,8 +109,12 @@ class Qwen3Config:
     def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json", **overrides) -> Qwen3Config:
         """Build from a parsed ``config.json``; raises naming ``source`` on what it cannot run."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
-            cfg.get("model_type", "")
+        arch = (
+            archs[0]
+            if archs
+            else {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
+                cfg.get("model_type", "")
+            )
         )
         if arch not in ARCHITECTURES:
             raise ValueError(
@@ -126,7 +132,11 @@ class Qwen3Config:
         if rope_type != "default":
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+            if k not in cfg
+        ]
         if missing:
             raise ValueError(f"{source}: missing required keys {missing}")
         heads = cfg["num_attention_heads"]

@@ -29,8 +29,18 @@ class CheckpointError(ValueError):
     """A Hugging Face checkpoint that cannot be read as the model it claims to be."""
 
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class SafetensorsReader:
@@ -74,7 +84,9 @@ class SafetensorsReader:
             )
         out = np.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
         if out.nbytes != end - begin:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}"
+            )
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0
         while done < out.nbytes:
@@ -110,14 +122,20 @@ def tensor_layout(config: Qwen3Config) -> Iterator[tuple[tuple[str, ...], str | 
         if c.is_moe_layer(i):
             e, inter = c.num_experts, c.moe_intermediate_size
             yield pre + ("mlp", "router", "kernel"), f"{hf}mlp.gate.weight", (c.hidden_size, e)
-            for name, k_in, n_out in (("gate_proj", c.hidden_size, inter), ("up_proj", c.hidden_size, inter),
-                                      ("down_proj", inter, c.hidden_size)):
+            for name, k_in, n_out in (
+                ("gate_proj", c.hidden_size, inter),
+                ("up_proj", c.hidden_size, inter),
+                ("down_proj", inter, c.hidden_size),
+            ):
                 names = [f"{hf}mlp.experts.{j}.{name}.weight" for j in range(e)]
                 yield pre + ("mlp", "experts", name, "kernel"), names, (e, k_in, n_out)
         else:
             inter = c.intermediate_size
-            for name, k_in, n_out in (("gate_proj", c.hidden_size, inter), ("up_proj", c.hidden_size, inter),
-                                      ("down_proj", inter, c.hidden_size)):
+            for name, k_in, n_out in (
+                ("gate_proj", c.hidden_size, inter),
+                ("up_proj", c.hidden_size, inter),
+                ("down_proj", inter, c.hidden_size),
+            ):
                 yield pre + ("mlp", name, "kernel"), f"{hf}mlp.{name}.weight", (k_in, n_out)
     yield ("norm", "scale"), "model.norm.weight", (c.hidden_size,)
     if not c.tie_word_embeddings:
@@ -174,9 +192,7 @@ def _place(arr: np.ndarray, dtype, sharding) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
-def load_params(
-    ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | None = None
-) -> dict:
+def load_params(ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | None = None) -> dict:
     """Stream the checkpoint's tensors into a params tree (optionally placed with ``shardings``,
     a tree of ``jax.sharding.Sharding`` matching the params)."""
     ckpt = pathlib.Path(ckpt)

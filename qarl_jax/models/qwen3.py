@@ -46,6 +46,10 @@ class KVCache:
 
 
 def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+    """A parameter with logical axes. An existing value is returned as is: a frozen
+    ``QuantizedWeight`` (packed int4, scales) legitimately differs from the float shape."""
+    if module.has_variable("params", name):
+        return nn.meta.unbox(module.get_variable("params", name))
     init = init or nn.initializers.normal(_INIT_STD)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
@@ -61,7 +65,9 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype))
+        kernel = _param(
+            self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype)
+        )
         return quant.dot(x.astype(self.config.dtype), kernel, self.quant, self.kind)
 
 
@@ -72,7 +78,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = _param(self, "scale", (self.dim,), ("norm",), jnp.dtype(self.param_dtype), nn.initializers.ones)
+        scale = _param(
+            self, "scale", (self.dim,), ("norm",), jnp.dtype(self.param_dtype), nn.initializers.ones
+        )
         return ops.rms_norm(x, scale, self.eps)
 
 
@@ -208,7 +216,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             c.vocab_size,
             c.hidden_size,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(_INIT_STD), ("vocab", "embed")),
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(_INIT_STD), ("vocab", "embed")
+            ),
             param_dtype=jnp.dtype(c.param_dtype),
             dtype=jnp.dtype(c.dtype),
         )
@@ -223,7 +233,9 @@ class Qwen3ForCausalLM(nn.Module):
             return quant.dot(x, self.embed_tokens.embedding.T, self.quant, "lm_head")
         return self.lm_head(x)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ):
         """Full-sequence forward. tokens [B, T]; positions default to 0..T-1; segment_ids [B, T]
         mark packed sequences (0 = padding): a token attends to earlier tokens of its own segment."""
         b, t = tokens.shape

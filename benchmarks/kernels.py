@@ -1,0 +1,127 @@
+"""Quantized matmul kernels vs XLA's bf16 dot, side by side in one run, one table.
+
+    python benchmarks/kernels.py            # the accelerator's kernels at decode and training shapes
+    python benchmarks/kernels.py --small    # tiny shapes; on CPU only proves the script works
+
+Per (K, N, M): median time per matmul, achieved TB/s over the weight bytes, TFLOP/s, and the
+speed-up over XLA's bf16 ``jnp.dot`` on the same shape. Every timed call runs a run of matmuls
+over enough weight copies (at least 4) that an H200's 60 MB L2 cannot hold them. Backend: GPU ->
+``kernels_pallas.gpu`` (Triton), TPU -> ``kernels_pallas.tpu`` (Mosaic), CPU -> the public
+``kernels_pallas.quantized_matmul`` CPU path (or the GPU kernel in interpret mode if that is absent).
+JSON goes to $OUT/kernels.json (OUT defaults to ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import formats  # noqa: E402
+
+CACHE_BYTES = 60 * 2**20
+
+
+def kernel_for_backend():
+    backend = jax.default_backend()
+    if backend == "gpu":
+        from kernels_pallas.gpu.matmul import matmul
+
+        return "pallas-triton", lambda x, w: matmul(x, w)
+    if backend == "tpu":
+        from kernels_pallas.tpu.matmul import matmul
+
+        return "pallas-mosaic", lambda x, w: matmul(x, w)
+    try:
+        from kernels_pallas import quantized_matmul
+
+        return "cpu", lambda x, w: quantized_matmul(x, w, backend="cpu")
+    except ImportError:
+        from kernels_pallas.gpu.matmul import matmul
+
+        return "triton-interpret", lambda x, w: matmul(x, w, interpret=True)
+
+
+def make_weight(key, k: int, n: int, fmt: str) -> formats.QuantizedWeight:
+    w = jax.random.normal(key, (k, n), jnp.float32) * (k**-0.5)
+    return formats.quantize(w.astype(jnp.bfloat16) if fmt == "bf16" else w, fmt)
+
+
+def nbytes(w: formats.QuantizedWeight) -> int:
+    return w.values.nbytes + (0 if w.scales is None else w.scales.nbytes)
+
+
+def time_per_call(one, x, copies, calls: int, iters: int) -> float:
+    fn = jax.jit(lambda x, cs: [one(x, cs[c % len(cs)]) for c in range(calls)])
+    jax.block_until_ready(fn(x, copies))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, copies))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU proof run)")
+    args = ap.parse_args()
+    small = args.small or jax.default_backend() == "cpu"
+    name, kernel = kernel_for_backend()
+    if small:
+        shapes = [(256, 256, m) for m in (1, 16, 64)]
+        calls, iters, min_copies = 4, 3, 4
+    else:
+        shapes = [(kn, kn, m) for kn in (4096, 8192) for m in (1, 16, 64, 256, 4096)]
+        calls, iters, min_copies = 16, 20, 4
+    cols = ("xla_bf16",) + formats.FORMATS
+    results = {"jax": jax.__version__, "backend": jax.default_backend(), "kernel": name, "rows": {}}
+    weights: dict = {}
+    for k, n, m in shapes:
+        if (k, n) not in weights:
+            weights = {(k, n): {}}  # free the previous shape's copies
+            for i, fmt in enumerate(cols):
+                f = "bf16" if fmt == "xla_bf16" else fmt
+                size = nbytes(make_weight(jax.random.key(i), k, n, f))
+                count = (
+                    int(min(32, max(min_copies, -(-3 * CACHE_BYTES // size)))) if not small else min_copies
+                )
+                keys = jax.random.split(jax.random.key(100 + i), count)
+                weights[(k, n)][fmt] = ([make_weight(kk, k, n, f) for kk in keys], size)
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        row = {}
+        for fmt, (copies, size) in weights[(k, n)].items():
+            if fmt == "xla_bf16":
+                one = lambda x, w: jnp.dot(x, w.values, preferred_element_type=jnp.float32).astype(x.dtype)
+            else:
+                one = kernel
+            t = time_per_call(one, x, copies, max(calls, len(copies)), iters)
+            row[fmt] = {"us": t * 1e6, "TBps": size / t / 1e12, "TFLOPs": 2 * m * k * n / t / 1e12}
+        for r in row.values():
+            r["x_xla"] = row["xla_bf16"]["us"] / r["us"]
+        results["rows"][f"K={k} N={n} M={m}"] = row
+        print(f"K={k} N={n} M={m}: " + ", ".join(f"{f} {r['us']:.1f}us" for f, r in row.items()), flush=True)
+        out = pathlib.Path(os.environ.get("OUT", "./out"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernels.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{name} kernels vs XLA bf16 dot on {jax.devices()[0].device_kind} (jax {jax.__version__})")
+    print("cell: us per matmul | weight TB/s | TFLOP/s | speed-up over XLA bf16")
+    print(f"{'shape':<22}" + "".join(f"{c:>32}" for c in cols))
+    for shape, row in results["rows"].items():
+        cells = (
+            f"{r['us']:.1f} | {r['TBps']:.2f} | {r['TFLOPs']:.1f} | x{r['x_xla']:.2f}" for r in row.values()
+        )
+        print(f"{shape:<22}" + "".join(f"{c:>32}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The model's one door to quantized matmuls (and the only qarl_jax module that imports AQT).
+
+Training passes float master kernels: they are quantized on the fly under a straight-through
+estimator. The rollout passes frozen :class:`QuantizedWeight` leaves (``quantize_params``). Both
+reach the same kernel with the same integers, so their outputs are bitwise equal.
+
+Kinds: attention, mlp, experts (quantized by default), lm_head, router, embed (run the bf16-format
+invariant kernel unless listed in ``QuantSpec.quantized``). ``spec=None`` is plain XLA, the naive
+path for alignment baselines and Hugging Face parity tests.
+
+``quantize_params`` recognises kinds by path (see :func:`kind_of`); AQT lives in
+:mod:`qarl_jax.quant.aqt` and is imported lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas import (
+    QuantizedWeight,
+    dequantize,
+    grouped_matmul,
+    grouped_matmul_ste,
+    quantize,
+    quantized_matmul,
+    quantized_matmul_ste,
+)
+from kernels_pallas.formats import check_format
+
+KINDS = ("attention", "mlp", "experts", "lm_head", "router", "embed")
+ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    fmt: str = "bf16"  # bf16 | w8a8 | w4a16 | w4a8
+    group_size: int | None = None  # None: format default (128 for int4, per channel for int8)
+    quantized: tuple[str, ...] = ("attention", "mlp", "experts")  # the other kinds run the bf16 kernel
+
+    def __post_init__(self):
+        check_format(self.fmt)
+        unknown = [k for k in self.quantized if k not in KINDS]
+        if unknown:
+            raise ValueError(
+                f"unknown layer kinds {unknown} in QuantSpec.quantized; expected some of {KINDS}"
+            )
+
+    def format_of(self, kind: str) -> tuple[str, int | None]:
+        """(format, group size) that layers of ``kind`` run in."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
+        if kind in self.quantized and self.fmt != "bf16":
+            return self.fmt, self.group_size
+        return "bf16", None
+
+
+def _check_frozen(w: QuantizedWeight, fmt: str, kind: str) -> None:
+    if w.fmt != fmt:
+        raise ValueError(f"{kind} weight is frozen as {w.fmt!r} but the spec runs {kind} layers in {fmt!r}")
+
+
+def _float_weight(w) -> jax.Array:
+    return dequantize(w) if isinstance(w, QuantizedWeight) else w
+
+
+def dot(x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, kind: str) -> jax.Array:
+    """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight."""
+    if spec is None:
+        wf = _float_weight(w)
+        ct = jnp.result_type(x.dtype, wf.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return lax.dot_general(x.astype(ct), wf.astype(ct), dims, precision=lax.Precision.HIGHEST)
+    fmt, group_size = spec.format_of(kind)
+    if isinstance(w, QuantizedWeight):
+        _check_frozen(w, fmt, kind)
+        return quantized_matmul(x, w)
+    return quantized_matmul_ste(x, w, fmt, group_size)
+
+
+def grouped_dot(
+    x: jax.Array,
+    w: jax.Array | QuantizedWeight,
+    group_sizes: jax.Array,
+    spec: QuantSpec | None,
+    kind: str = "experts",
+) -> jax.Array:
+    """x [M, K] (rows sorted by expert) against w [E, K, N]; ``spec=None`` is ``lax.ragged_dot``."""
+    if spec is None:
+        wf = _float_weight(w)
+        ct = jnp.result_type(x.dtype, wf.dtype)
+        return lax.ragged_dot(x.astype(ct), wf.astype(ct), group_sizes, precision=lax.Precision.HIGHEST)
+    fmt, group_size = spec.format_of(kind)
+    if isinstance(w, QuantizedWeight):
+        _check_frozen(w, fmt, kind)
+        return grouped_matmul(x, w, group_sizes)
+    return grouped_matmul_ste(x, w, group_sizes, fmt, group_size)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def kind_of(path: tuple[str, ...]) -> str | None:
+    """The layer kind of a parameter leaf, from its path of module/leaf names (None: not a matmul
+    weight). Rules: any leaf under an ``experts`` module -> experts; ``kernel`` under q/k/v/o_proj ->
+    attention, under gate/up/down_proj -> mlp, under lm_head -> lm_head, under ``gate`` or
+    ``router`` -> router. Embedding tables are never frozen (they are gathered)."""
+    if "experts" in path[:-1]:
+        return "experts"
+    if len(path) < 2 or path[-1] != "kernel":
+        return None
+    module = path[-2]
+    if module in ATTENTION_MODULES:
+        return "attention"
+    if module in MLP_MODULES:
+        return "mlp"
+    if module == "lm_head":
+        return "lm_head"
+    if module in ("gate", "router"):
+        return "router"
+    return None
+
+
+def quantize_params(params, spec: QuantSpec):
+    """Freeze for the rollout: every float weight whose kind is quantized becomes a QuantizedWeight
+    (the integers the training forward computes on the fly); all other leaves are returned as is."""
+
+    def freeze(path, leaf):
+        kind = kind_of(tuple(_key_name(k) for k in path))
+        if isinstance(leaf, QuantizedWeight) or kind is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        fmt, group_size = spec.format_of(kind)
+        return leaf if fmt == "bf16" else quantize(leaf, fmt, group_size)
+
+    return jax.tree_util.tree_map_with_path(freeze, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
+
+
+__all__ = ["KINDS", "QuantSpec", "QuantizedWeight", "dot", "grouped_dot", "kind_of", "quantize_params"]

@@ -1,0 +1,174 @@
+"""GPU (Pallas-Triton) kernels, checked without a GPU: Triton lowering for CUDA, and the same kernels
+in Pallas interpret mode against formats.reference_matmul and for row-wise batch invariance."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import block_sizes, formats
+from kernels_pallas.gpu import grouped_matmul as gg
+from kernels_pallas.gpu import matmul as gm
+
+K, N = 128, 64
+BLK = dict(block_n=32, block_k=64)  # two N blocks, two K steps (w4a16 at group 32: 4 groups)
+GROUP = 32
+
+
+def weight(fmt: str, shape=(K, N), seed: int = 1, dtype=jnp.float32) -> formats.QuantizedWeight:
+    w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.1
+    group = GROUP if formats.WEIGHT_BITS[fmt] == 4 else None
+    return formats.quantize(w.astype(dtype) if fmt == "bf16" else w, fmt, group)
+
+
+def acts(m: int, seed: int = 0, dtype=jnp.float32, k: int = K) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (m, k), dtype)
+
+
+def run(x, w, **kw):
+    return np.asarray(gm.matmul(x, w, out_dtype=jnp.float32, interpret=True, **{**BLK, **kw}))
+
+
+def float_bound(x, w) -> np.ndarray:
+    """f32 accumulation bound: K * 2^-23 * (|x| @ |W|)."""
+    xa = np.abs(np.asarray(x, np.float64))
+    return w.k * 2.0**-23 * (xa @ np.abs(np.asarray(formats.dequantize(w), np.float64)))
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_lowers_for_cuda_through_triton(fmt):
+    x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
+    text = (
+        jax.jit(lambda x, w: gm.matmul(x, w, **BLK)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert "__gpu$xla.gpu.triton" in text  # Triton, not Mosaic GPU
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_grouped_lowers_for_cuda_through_triton(fmt):
+    x, w = acts(24, dtype=jnp.bfloat16), weight(fmt, shape=(3, K, N), dtype=jnp.bfloat16)
+    sizes = jnp.array([5, 0, 19], jnp.int32)
+    f = jax.jit(lambda x, w, s: gg.grouped_matmul(x, w, s, **BLK))
+    assert "__gpu$xla.gpu.triton" in f.trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16", "w4a8"])
+def test_float_formats_match_reference(fmt):
+    x, w = acts(5), weight(fmt)
+    y = run(x, w)
+    ref = formats.reference_matmul(np.asarray(x), w)
+    assert np.all(np.abs(y - ref) <= float_bound(x, w) + 1e-30)
+
+
+def test_w8a8_is_exact_int32_accumulation():
+    x, w = acts(5), weight("w8a8")
+    y = run(x, w)
+    xq, sx = (np.asarray(a) for a in formats.quantize_activations(x))
+    acc = xq.astype(np.int64) @ np.asarray(w.values, np.int64)
+    want = (acc.astype(np.float32) * sx) * np.asarray(w.scales)
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_allclose(y, formats.reference_matmul(np.asarray(x), w), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_activations_and_output_dtype():
+    x, w = acts(3, dtype=jnp.bfloat16), weight("w4a16")
+    y = gm.matmul(x, w, interpret=True, **BLK)
+    assert y.dtype == jnp.bfloat16 and y.shape == (3, N)
+    ref = formats.reference_matmul(np.asarray(x.astype(jnp.float32)), w)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_padding_of_n_and_k():
+    """N and K that no power-of-two block divides are padded, not mis-tiled."""
+    x = acts(3, k=72)
+    w = formats.quantize(jax.random.normal(jax.random.key(2), (72, 40)), "w8a8")
+    y = np.asarray(gm.matmul(x, w, out_dtype=jnp.float32, interpret=True, block_n=32, block_k=32))
+    np.testing.assert_allclose(y, formats.reference_matmul(np.asarray(x), w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_rows_bitwise_invariant_to_m_and_neighbours(fmt):
+    w = weight(fmt)
+    x = acts(40, seed=3)
+    full = run(x, w)
+    for m in (1, 5, 16, 17):
+        np.testing.assert_array_equal(run(x[:m], w), full[:m])
+    perm = np.random.default_rng(0).permutation(40)
+    np.testing.assert_array_equal(run(x[perm], w), full[perm])
+    other = acts(8, seed=4).at[3].set(x[0])
+    np.testing.assert_array_equal(run(other, w)[3], full[0])
+
+
+def test_invariance_check_can_fail():
+    """Negative control: another K tiling changes the summation order, and the bits show it."""
+    w = weight("bf16")
+    x = acts(16, seed=5)
+    assert not np.array_equal(run(x, w, block_k=32), run(x, w, block_k=128))
+
+
+def grouped_reference(x, w, sizes):
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    ref = np.zeros((x.shape[0], w.n))
+    for e in range(len(sizes)):
+        rows = slice(starts[e], starts[e + 1])
+        ref[rows] = formats.reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
+    return ref
+
+
+def run_grouped(x, w, sizes, **kw):
+    y = gg.grouped_matmul(
+        x, w, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, interpret=True, **BLK, **kw
+    )
+    return np.asarray(y)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_grouped_matches_reference_and_is_invariant(fmt):
+    w = weight(fmt, shape=(4, K, N), seed=7)
+    sizes = [7, 0, 20, 5]
+    x = acts(35, seed=8)  # 3 rows past the groups
+    y = run_grouped(x, w, sizes)
+    ref = grouped_reference(x, w, sizes)
+    tol = 1e-5 if fmt == "w8a8" else K * 2.0**-23 * 4
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=tol)
+    assert np.all(y[32:] == 0)
+    # expert 2's rows, behind a different number of expert-0 rows and different neighbours
+    y2 = run_grouped(jnp.concatenate([acts(18, seed=9), x[7:27], acts(2, seed=10)]), w, [18, 0, 20, 2])
+    np.testing.assert_array_equal(y2[18:38], y[7:27])
+
+
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [16, 0, 0], [1, 1, 30], [3, 13, 16]])
+def test_group_tiles_cover_each_row_once(sizes):
+    m, bm = 40, 16
+    e, rb, lo, hi = (np.asarray(a) for a in block_sizes.group_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
+    assert len(e) == 3 + 3 - 1 and np.all(np.diff(rb) >= 0)
+    owner = np.full(m, -1)
+    for t in range(len(e)):
+        assert lo[t] == hi[t] or rb[t] * bm <= lo[t] < hi[t] <= (rb[t] + 1) * bm
+        assert np.all(owner[lo[t] : hi[t]] == -1)
+        owner[lo[t] : hi[t]] = e[t]
+    want = np.concatenate([np.full(s, i) for i, s in enumerate(sizes)] + [np.full(m - sum(sizes), -1)])
+    np.testing.assert_array_equal(owner, want)
+    assert set(rb) >= set(range(-(-m // bm)))  # every row block is visited (TPU zeroes it)
+
+
+def test_errors_are_clear():
+    w = weight("w4a16")
+    with pytest.raises(ValueError, match="K=128"):
+        gm.matmul(acts(2, k=64), w, interpret=True)
+    with pytest.raises(TypeError, match="floating"):
+        gm.matmul(jnp.ones((2, K), jnp.int32), w, interpret=True)
+    with pytest.raises(ValueError, match="power-of-two"):
+        gm.matmul(acts(2), w, interpret=True, block_n=48)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        gm.matmul(acts(2), jnp.ones((K, N)), interpret=True)
+    odd = formats.quantize(jax.random.normal(jax.random.key(0), (96, N)), "w4a16", 48)
+    with pytest.raises(ValueError, match="group size"):
+        gm.matmul(acts(2, k=96), odd, interpret=True)
+    with pytest.raises(ValueError, match=r"\[E, K, N\]"):
+        gg.grouped_matmul(acts(2), w, jnp.array([2]), interpret=True)
+    w3 = weight("w8a8", shape=(2, K, N))
+    with pytest.raises(ValueError, match="group_sizes"):
+        gg.grouped_matmul(acts(2), w3, jnp.array([2, 0, 0]), interpret=True)

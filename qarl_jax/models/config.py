@@ -75,9 +75,7 @@ class Qwen3Config:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]"
-            )
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.is_moe and self.moe_intermediate_size <= 0:
             raise ValueError("a MoE config needs moe_intermediate_size > 0")
         for name in ("param_dtype", "dtype"):
@@ -203,46 +201,33 @@ class Qwen3Config:
 
 # Tiny presets for tests and the CPU default: hidden/intermediate sizes are multiples of 128 so
 # int4 group quantization (group 128) applies to every projection.
+_TINY = Qwen3Config(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
 PRESETS: dict[str, Qwen3Config] = {
-    "qwen3-tiny": Qwen3Config(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ),
-    "qwen3-small": Qwen3Config(
-        vocab_size=128,
+    "qwen3-tiny": _TINY,  # 0.8M params
+    "qwen3-small": _TINY.replace(  # 4.7M params
         hidden_size=256,
         intermediate_size=768,
         num_hidden_layers=6,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=32,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
         max_position_embeddings=1024,
     ),
-    "qwen3-moe-tiny": Qwen3Config(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=10000.0,
+    "qwen3-moe-tiny": _TINY.replace(  # 1.6M params, 8 experts top-2, first layer dense
         tie_word_embeddings=False,
-        max_position_embeddings=512,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=128,
-        norm_topk_prob=True,
         mlp_only_layers=(0,),
     ),
 }

@@ -59,10 +59,14 @@ class MeshConfig:
         known = math.prod(s for s in sizes.values() if s != -1)
         if free:
             if num_devices % known:
-                raise ValueError(f"cannot fill mesh axis {free[0]!r}: {num_devices} devices, fixed axes {sizes}")
+                raise ValueError(
+                    f"cannot fill mesh axis {free[0]!r}: {num_devices} devices, fixed axes {sizes}"
+                )
             sizes[free[0]] = num_devices // known
         if math.prod(sizes.values()) != num_devices:
-            raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, {num_devices} available")
+            raise ValueError(
+                f"mesh {sizes} needs {math.prod(sizes.values())} devices, {num_devices} available"
+            )
         known_axes = set(MESH_AXES)
         for logical, axes in self.rules:
             for a in (axes,) if isinstance(axes, str) else axes or ():
@@ -114,7 +118,9 @@ def shard_map_kernel(
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def matmul_specs(mesh: Mesh, rules, x_axes: tuple, w_axes: tuple) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
+def matmul_specs(
+    mesh: Mesh, rules, x_axes: tuple, w_axes: tuple
+) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
     """shard_map specs for ``x [..., K] @ w [K, N]``: rows keep their sharding, N keeps its sharding,
     and K is gathered (FSDP weights are all-gathered before the kernel, never reduced in it)."""
     x_spec = nn.logical_to_mesh_axes(x_axes[:-1] + (None,), rules)

@@ -6,31 +6,73 @@ import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-DENSE = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=128)
+DENSE = dict(
+    vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=128
+)
 MOE = dict(DENSE, num_hidden_layers=3, moe_intermediate_size=24, num_experts=4)
 
 # name -> (model class, config class, config kwargs): tied/untied, GQA 1/2/4, head_dim != hidden/heads,
 # MoE top-1/top-2, with/without norm_topk_prob, mlp_only_layers, decoder_sparse_step
 CASES = {
-    "dense-untied-gqa2": (Qwen3ForCausalLM, Qwen3Config, dict(DENSE, num_attention_heads=4, num_key_value_heads=2,
-                                                             head_dim=16, tie_word_embeddings=False)),
-    "dense-tied-mha": (Qwen3ForCausalLM, Qwen3Config, dict(DENSE, num_attention_heads=4, num_key_value_heads=4,
-                                                          head_dim=12, tie_word_embeddings=True)),
-    "dense-gqa4-theta": (Qwen3ForCausalLM, Qwen3Config, dict(DENSE, num_attention_heads=4, num_key_value_heads=1,
-                                                            head_dim=8, rope_parameters={"rope_type": "default",
-                                                                                         "rope_theta": 500.0})),
-    "moe-top2-norm-mlponly": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(MOE, num_attention_heads=4,
-                                                                        num_key_value_heads=2, head_dim=16,
-                                                                        num_experts_per_tok=2, norm_topk_prob=True,
-                                                                        mlp_only_layers=[1])),
-    "moe-top1-nonorm": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(MOE, num_attention_heads=2, num_key_value_heads=1,
-                                                                 head_dim=16, num_experts_per_tok=1,
-                                                                 norm_topk_prob=False)),
-    "moe-top2-sparse-step2-tied": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(MOE, num_attention_heads=4,
-                                                                            num_key_value_heads=4, head_dim=8,
-                                                                            num_experts_per_tok=2,
-                                                                            decoder_sparse_step=2,
-                                                                            tie_word_embeddings=True)),
+    "dense-untied-gqa2": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(DENSE, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    ),
+    "dense-tied-mha": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(DENSE, num_attention_heads=4, num_key_value_heads=4, head_dim=12, tie_word_embeddings=True),
+    ),
+    "dense-gqa4-theta": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(
+            DENSE,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
+    "moe-top2-norm-mlponly": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            MOE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "moe-top1-nonorm": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            MOE,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_experts_per_tok=1,
+            norm_topk_prob=False,
+        ),
+    ),
+    "moe-top2-sparse-step2-tied": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            MOE,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 

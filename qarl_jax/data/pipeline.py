@@ -1,0 +1,151 @@
+"""The grain prompt pipeline: source -> host shard -> shuffle -> epochs -> template + tokenise -> batches.
+
+Everything up to tokenisation is a random-access grain ``MapDataset``, so the position in the stream
+is one integer and restoring it replays exactly the same records. :class:`PromptIterator` adds what
+grain does not: skipping (and counting) rejected rows and over-long prompts, and grouping ``n``
+samples per prompt into RL batches. Its state is a small JSON-serialisable dict for the trainer's
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import grain
+import numpy as np
+from tokenizers import Tokenizer
+
+from qarl_jax.data.config import DataConfig
+from qarl_jax.data.jsonl import JsonlSource
+from qarl_jax.data.records import Record, Rejected
+from qarl_jax.data.synthetic import SyntheticArithmetic
+from qarl_jax.data.templates import apply_template
+
+STATE_VERSION = 1
+
+
+def make_source(config: DataConfig) -> Any:
+    """The random-access record source ``config`` names (TFDS is imported only here, lazily)."""
+    if config.source == "synthetic":
+        return SyntheticArithmetic(config.synthetic, config.seed)
+    if config.source == "jsonl":
+        keys = (config.prompt_key, config.answer_key, config.answer_format)
+        return JsonlSource(config.path, *keys, bad_rows=config.bad_rows)
+    from qarl_jax.data.tfds_source import tfds_source
+
+    return tfds_source(
+        config.tfds_name,
+        config.split,
+        config.tfds_data_dir,
+        config.prompt_key,
+        config.answer_key,
+        config.answer_format,
+        gsm8k_dir=config.path,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokenise:
+    """Template + tokenise one record; an over-long prompt becomes a rejection (grain map function)."""
+
+    tokenizer: Tokenizer
+    template: str
+    max_prompt_tokens: int
+
+    def __call__(self, record: Record | Rejected) -> Record | Rejected:
+        if isinstance(record, Rejected):
+            return record
+        text = apply_template(self.template, record["prompt"])
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) > self.max_prompt_tokens:
+            detail = f"prompt has {len(ids)} tokens > max_prompt_tokens={self.max_prompt_tokens}"
+            return Rejected("too_long", record["id"], detail)
+        return {**record, "text": text, "prompt_ids": np.asarray(ids, np.int32)}
+
+
+def build_dataset(
+    config: DataConfig, source: Any, tokenizer: Tokenizer, shard_index: int = 0, shard_count: int = 1
+) -> grain.MapDataset:
+    """Records of this host's shard, shuffled (reshuffled each epoch), repeated, tokenised."""
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
+    ds = grain.MapDataset.source(source)[shard_index::shard_count]
+    if len(ds) == 0:
+        raise ValueError(f"shard {shard_index}/{shard_count} of a {len(source)}-row source is empty")
+    if config.shuffle:
+        ds = ds.shuffle(seed=config.seed)
+    ds = ds.repeat(config.num_epochs)
+    return ds.map(_Tokenise(tokenizer, config.template, config.max_prompt_tokens))
+
+
+class PromptIterator:
+    """Batches of ``batch_size`` prompts, each repeated ``samples_per_prompt`` times (a GRPO group).
+
+    A batch is a dict of per-sample lists: ``prompt_ids`` (int32 arrays), ``text`` (templated prompt),
+    ``prompt``, ``answer``, ``id``, and ``group`` (int32, the prompt's index within the batch). With
+    finite epochs the last batch may be short. Rejected rows are counted in :attr:`skipped` (or raise,
+    under ``bad_rows="error"``); a source's load-time skips are in :meth:`stats`.
+    """
+
+    def __init__(self, config: DataConfig, dataset: grain.MapDataset, epoch_size: int, source: Any = None):
+        self._config = config
+        self._iter = iter(dataset)
+        self._epoch_size = epoch_size
+        self._source = source
+        self.skipped: collections.Counter[str] = collections.Counter()
+
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def _next_record(self) -> Record | None:
+        for run, item in enumerate(self._iter, start=1):
+            if not isinstance(item, Rejected):
+                return item
+            if self._config.bad_rows == "error":
+                raise item.error()
+            self.skipped[item.reason] += 1
+            if run >= 2 * self._epoch_size:  # then a whole epoch was rejected: repeating would spin
+                raise ValueError(f"a whole epoch of rows was rejected (skipped: {dict(self.skipped)})")
+        return None
+
+    def __next__(self) -> dict[str, Any]:
+        records = []
+        while len(records) < self._config.batch_size and (record := self._next_record()) is not None:
+            records.append(record)
+        if not records:
+            raise StopIteration
+        n = self._config.samples_per_prompt
+        batch: dict[str, Any] = {
+            key: [r[key] for r in records for _ in range(n)]
+            for key in ("prompt_ids", "text", "prompt", "answer", "id")
+        }
+        batch["group"] = np.repeat(np.arange(len(records), dtype=np.int32), n)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable position (grain's) plus skip counts, taken between batches."""
+        return {"version": STATE_VERSION, "grain": self._iter.get_state(), "skipped": dict(self.skipped)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"iterator state version {state.get('version')!r} != {STATE_VERSION}")
+        self._iter.set_state(state["grain"])
+        self.skipped = collections.Counter(state["skipped"])
+
+    def stats(self) -> dict[str, int]:
+        """Rows skipped so far: at source load (whole file) and while iterating (this shard)."""
+        counts = collections.Counter(getattr(self._source, "skipped", {}))
+        counts.update(self.skipped)
+        return dict(counts)
+
+
+def build_pipeline(
+    config: DataConfig, tokenizer: Tokenizer, shard_index: int = 0, shard_count: int = 1
+) -> PromptIterator:
+    """The prompt iterator for one host: pass ``jax.process_index()``/``jax.process_count()``."""
+    source = make_source(config)
+    dataset = build_dataset(config, source, tokenizer, shard_index, shard_count)
+    epoch_size = len(range(shard_index, len(source), shard_count))
+    return PromptIterator(config, dataset, epoch_size, source)

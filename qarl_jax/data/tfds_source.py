@@ -1,0 +1,110 @@
+"""TFDS sources through ``tfds.data_source`` (array_record, random access), and an offline GSM8K.
+
+The only module that imports tensorflow_datasets; the pipeline imports it when a TFDS source is
+configured. TFDS's stock ``gsm8k`` builder downloads four files, one of which (``train_socratic``)
+the shared data folder lacks; :class:`Gsm8kLocal` keeps its features and example generator but
+prepares whichever splits the local folder has, with no network.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import tensorflow_datasets as tfds
+from etils import epath
+from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
+
+from qarl_jax.data.records import AnswerFormat, Record, Rejected, make_record
+
+GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
+
+
+class Gsm8kLocal(tfds_gsm8k.Gsm8k):
+    """TFDS's ``gsm8k`` (same features: question, answer, annotation, short_answer) from local files."""
+
+    # TFDS 4.9.10 resolves a builder's code path through `importlib_resources`, which it only
+    # declares for Python < 3.9; our builder has no checksums or metadata files to find anyway.
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        return epath.Path(__file__)
+
+    def __init__(self, *, source_dir: str | pathlib.Path | None = None, **kwargs: Any):
+        # Without `source_dir` (e.g. from `tfds.data_source` by name) it only reads a prepared copy.
+        self._source_dir = source_dir
+        super().__init__(**kwargs)
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
+        del dl_manager
+        if self._source_dir is None:
+            raise ValueError("Gsm8kLocal needs source_dir (the folder of GSM8K JSONL files) to prepare")
+        files = {s: pathlib.Path(self._source_dir) / f"{s}.jsonl" for s in GSM8K_SPLITS}
+        found = {s: self._generate_examples(p) for s, p in files.items() if p.is_file()}
+        if not found:
+            raise FileNotFoundError(f"no GSM8K split files ({GSM8K_SPLITS}) in {self._source_dir}")
+        return found
+
+
+def prepare_gsm8k_local(source_dir: str | pathlib.Path, data_dir: str | pathlib.Path) -> Gsm8kLocal:
+    """Build (once) the array_record GSM8K dataset under ``data_dir`` from ``source_dir``'s JSONL."""
+    builder = Gsm8kLocal(source_dir=source_dir, data_dir=str(data_dir), file_format="array_record")
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    return builder
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if hasattr(value, "item"):  # numpy scalar
+        return _decode(value.item())
+    return value
+
+
+class TfdsSource:
+    """Random-access ``{prompt, answer, id}`` view of a TFDS data source; ids are ``name/split:index``.
+
+    Rows are validated lazily (the pipeline counts or raises on :class:`Rejected` values).
+    """
+
+    def __init__(
+        self,
+        data_source: Any,
+        name: str,
+        split: str,
+        prompt_key: str,
+        answer_key: str,
+        answer_format: AnswerFormat,
+    ):
+        self._data = data_source
+        self._origin = f"{name}/{split}"
+        self._keys = (prompt_key, answer_key, answer_format)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, index: int) -> Record | Rejected:
+        origin = f"{self._origin}:{index}"
+        try:
+            row = {k: _decode(v) for k, v in self._data[index].items()}
+        except UnicodeDecodeError as e:
+            return Rejected("bad_utf8", origin, str(e))
+        return make_record(row, *self._keys, origin)
+
+
+def tfds_source(
+    name: str,
+    split: str,
+    data_dir: str | None,
+    prompt_key: str,
+    answer_key: str,
+    answer_format: AnswerFormat,
+    gsm8k_dir: str | None = None,
+) -> TfdsSource:
+    """``tfds.data_source(name, split)``; ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` first."""
+    if name == "gsm8k_local":
+        if gsm8k_dir is None:
+            raise ValueError("path: tfds_name='gsm8k_local' needs the folder of GSM8K files")
+        prepare_gsm8k_local(gsm8k_dir, data_dir or tfds.core.constants.DATA_DIR)
+    data = tfds.data_source(name, split=split, data_dir=data_dir)
+    return TfdsSource(data, name, split, prompt_key, answer_key, answer_format)

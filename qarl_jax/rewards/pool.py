@@ -1,0 +1,185 @@
+"""Grading in worker processes with a per-sample time limit.
+
+A pathological response (sympy on deep nesting, a regex in C) can run for minutes or crash the
+interpreter, and math-verify's own timeout needs a main thread. So each sample is graded in a worker
+process's main thread; the parent hands out one sample at a time, and a worker that exceeds the
+limit is killed, one that dies is noticed; either way it is replaced, the sample scores 0 and the
+event is counted in :attr:`Grader.stats`. Workers start with ``spawn`` (no fork of a JAX process)
+and only receive samples once they report ready, so start-up time never eats a sample's budget.
+As with any ``spawn`` pool, a script that creates a :class:`Grader` needs an
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from qarl_jax.rewards.latex import grade_math
+from qarl_jax.rewards.numbers import grade_number
+
+GradeFn = Callable[[str, str, int], float]
+
+
+def _grade_synthetic(response: str, answer: str, timeout_s: int) -> float:
+    return grade_number(response, answer)
+
+
+GRADERS: dict[str, GradeFn] = {
+    "synthetic": _grade_synthetic,
+    "gsm8k": _grade_synthetic,
+    "math": grade_math,
+}
+IN_PROCESS_KINDS = frozenset({"synthetic"})
+
+
+def _worker(conn: Connection, graders: Mapping[str, GradeFn], timeout_s: int) -> None:
+    """Grade ``(kind, response, answer)`` messages until the pipe closes; errors score 0."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings echo the whole input
+    conn.send("ready")
+    while True:
+        try:
+            kind, response, answer = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((float(graders[kind](response, answer, timeout_s)), False))
+        except Exception:  # a grader bug or a sympy RecursionError: the sample is wrong, not the run
+            conn.send((0.0, True))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, graders: Mapping[str, GradeFn], timeout_s: int):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(child, graders, timeout_s), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.task: tuple[int, float] | None = None  # (sample index, start time)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class Grader:
+    """A pool of grading workers; use as a context manager, or call :meth:`close`.
+
+    ``time_limit_s`` bounds each sample from the parent (kill and replace); math-verify's own alarm
+    gets half of it. ``graders`` adds or replaces kinds (picklable module-level functions
+    ``(response, answer, timeout_s) -> float``). Kind ``synthetic`` grades in-process (pure, fast).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        time_limit_s: float = 5.0,
+        graders: Mapping[str, GradeFn] | None = None,
+    ):
+        if num_workers < 1 or time_limit_s <= 0:
+            raise ValueError(f"need num_workers >= 1 and time_limit_s > 0, got {num_workers}, {time_limit_s}")
+        self.time_limit_s = time_limit_s
+        self.graders = {**GRADERS, **(graders or {})}
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._ctx = mp.get_context("spawn")
+        self._inner_timeout = max(1, math.floor(time_limit_s / 2))
+        self._num_workers = num_workers
+        self._workers: list[_Worker] = []  # started on first use: in-process kinds never need them
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.graders, self._inner_timeout)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def grade(self, responses: Sequence[str], answers: Sequence[str], kind: str) -> np.ndarray:
+        """Scores in [0, 1] as float32, one per response; never raises for a bad response."""
+        if kind not in self.graders:
+            raise ValueError(f"kind: unknown {kind!r}, expected one of {sorted(self.graders)}")
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        if kind in IN_PROCESS_KINDS:
+            fn = self.graders[kind]
+            scores = [fn(r, a, self._inner_timeout) for r, a in zip(responses, answers, strict=True)]
+            return np.asarray(scores, np.float32)
+        while len(self._workers) < self._num_workers:
+            self._workers.append(self._spawn())
+        scores = np.zeros(len(responses), np.float32)
+        pending = collections.deque(range(len(responses)))
+        while pending or any(w.task for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.task is None and pending:
+                    self._dispatch(w, pending.popleft(), kind, responses, answers)
+            self._collect(scores)
+        self.stats["graded"] += len(responses)
+        return scores
+
+    def _dispatch(
+        self, w: _Worker, i: int, kind: str, responses: Sequence[str], answers: Sequence[str]
+    ) -> None:
+        w.task = (i, time.monotonic())
+        try:
+            w.conn.send((kind, responses[i], answers[i]))
+        except (BrokenPipeError, OSError):
+            w.task = None
+            self.stats["crashes"] += 1
+            self._replace(w)
+
+    def _collect(self, scores: np.ndarray) -> None:
+        """Wait for results or the nearest deadline; kill and replace workers that overran or died."""
+        now = time.monotonic()
+        deadlines = [w.task[1] + self.time_limit_s - now for w in self._workers if w.task]
+        timeout = max(0.0, min(deadlines)) if deadlines else 1.0
+        by_conn = {w.conn: w for w in self._workers}
+        for conn in wait(list(by_conn), timeout=timeout):
+            w = by_conn[conn]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                if not w.ready:
+                    w.process.join(timeout=5)
+                    raise RuntimeError(f"grading worker exited at start-up ({w.process.exitcode})") from None
+                if w.task is not None:
+                    self.stats["crashes"] += 1
+                self._replace(w)
+                continue
+            if message == "ready":
+                w.ready = True
+                continue
+            score, failed = message
+            scores[w.task[0]] = score
+            if failed:
+                self.stats["errors"] += 1
+            w.task = None
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.task and now - w.task[1] > self.time_limit_s:
+                self.stats["timeouts"] += 1
+                self._replace(w)
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def __enter__(self) -> Grader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def grade(responses: Sequence[str], answers: Sequence[str], kind: str, **grader_kwargs: Any) -> np.ndarray:
+    """One-off grading; a training loop should keep one :class:`Grader` (workers start once)."""
+    with Grader(**grader_kwargs) as grader:
+        return grader.grade(responses, answers, kind)

@@ -150,12 +150,16 @@ def invariance(cfg) -> dict:
 
 
 def _timed(fn, args, iters: int) -> float:
+    """Seconds per execution: ``iters`` executions dispatched back to back (the host runs ahead, so
+    per-call launch latency is not counted), median of 3 such runs."""
     jax.block_until_ready(fn(*args))
     ts = []
-    for _ in range(iters):
+    for _ in range(3):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            last = fn(*args)
+        jax.block_until_ready(last)
+        ts.append((time.perf_counter() - t0) / iters)
     return float(np.median(ts))
 
 

@@ -21,13 +21,26 @@ from kernels_pallas import formats
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """One kernel's tiling: rows per block, output columns per block, K per loop step, and (GPU only)
-    Triton's warps per program and software-pipelining depth."""
+    Triton's warps per program, software-pipelining depth, and three decode knobs:
+
+    split_k  K split into this many contiguous ranges, each its own program, the partial results
+             summed afterwards in ascending split order (fixed by (fmt, K, N), so rows stay invariant);
+             it multiplies the programs a decode step launches (N / block_n is often < 132 SMs).
+    swap_ab  compute (W^T x^T)^T: the weight tile is the MMA's M side (>= 64, Hopper wgmma-sized) and
+             the 16 activation rows its N side.
+    int_dot  "int8": int8 x int8 -> int32 MMA; "bf16": the same integers through a bf16 MMA with f32
+             accumulation, exact while a step's |partial| < 2^24 (w8a8 block_k <= 1024), then int32.
+             Bitwise the same result either way; only speed differs.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    swap_ab: bool = False
+    int_dot: str = "int8"
 
 
 def _pow2_divisor(n: int, cap: int, floor: int) -> int | None:
@@ -44,21 +57,35 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+GPU_SMS = 132  # H200 / H100 SXM multiprocessors: the decode grid should cover them
+
+
 def gpu_blocks(fmt: str, k: int, n: int) -> Blocks:
-    """Triton tiles (all powers of two). Decode is bound by the weight bytes, so columns are split
-    finely enough to give the H200's 132 SMs work at M <= 16 without split-K (which would make the
-    reduction order depend on scheduling). block_m = 16 is the smallest Triton dot tile; it is
-    fixed for every M (training pays for it in re-reads of the weights, which stay in L2).
-    Starting points, to be tuned on the H200 (issue 10)."""
+    """Triton tiles (all powers of two) for one (fmt, K, N): the H200-tuned entry of
+    ``kernels_pallas.gpu.tuned.TUNED`` if there is one, else a heuristic.
+
+    Decode is bound by the weight bytes, so the heuristic aims for >= GPU_SMS programs at M <= 16:
+    128-column blocks (64 for bf16) and a fixed split-K of up to 4 when N / block_n alone is too
+    few. block_m = 16 is the smallest Triton dot tile; it is fixed for every M (training pays for it
+    in re-reads of the weights, which stay in L2)."""
     formats.check_format(fmt)
-    block_n = 64 if n >= 64 * 64 else 32
-    if formats.WEIGHT_BITS[fmt] == 4:
-        block_k = 256  # K elements per step; capped by the group size in the kernel
-    elif formats.WEIGHT_BITS[fmt] == 8:
-        block_k = 256
+    from kernels_pallas.gpu.tuned import TUNED  # lazy: only the GPU path needs the table
+
+    bits = formats.WEIGHT_BITS[fmt]
+    if bits == 4:
+        base = Blocks(block_m=16, block_n=128, block_k=256, num_warps=4, num_stages=4)
+    elif bits == 8:
+        base = Blocks(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
     else:
-        block_k = 128
-    return Blocks(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+        base = Blocks(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    tuned = TUNED.get((fmt, k, n))
+    if tuned is not None:
+        return dataclasses.replace(base, **tuned)
+    n_blocks = -(-n // base.block_n)
+    split = 1
+    while n_blocks * split < GPU_SMS and split < 4 and k % (2 * split * base.block_k) == 0:
+        split *= 2
+    return dataclasses.replace(base, split_k=split)
 
 
 def tpu_blocks(fmt: str, k: int, n: int) -> Blocks:

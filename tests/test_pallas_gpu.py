@@ -172,3 +172,58 @@ def test_errors_are_clear():
     w3 = weight("w8a8", shape=(2, K, N))
     with pytest.raises(ValueError, match="group_sizes"):
         gg.grouped_matmul(acts(2), w3, jnp.array([2, 0, 0]), interpret=True)
+
+
+KNOBS = [
+    dict(split_k=2),
+    dict(split_k=4, swap_ab=True, int_dot="bf16"),
+]
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("knobs", KNOBS, ids=["split2", "split4-swap-bf16dot"])
+def test_decode_knobs_match_reference_and_keep_rows_invariant(fmt, knobs):
+    """Fixed split-K (partials summed in split order), swapped operands, integer dots through bf16."""
+    w = weight(fmt)
+    x = acts(40, seed=3)
+    full = run(x, w, **knobs)
+    ref = formats.reference_matmul(np.asarray(x[:5]), w)
+    if fmt == "w8a8":
+        np.testing.assert_array_equal(full, run(x, w))  # int32 accumulation: tiling cannot matter
+    else:
+        xa = np.asarray(x[:5])
+        if formats.ACT_BITS[fmt] == 8:
+            xa = np.abs(xa) + np.abs(xa).max(-1, keepdims=True) / 127
+        assert np.all(np.abs(full[:5] - ref) <= float_bound(xa, w) + 1e-30)
+    for m in (1, 17):
+        np.testing.assert_array_equal(run(x[:m], w, **knobs), full[:m])
+
+
+def test_int4_group_longer_than_a_step():
+    """Groups spanning several K steps (inner loop over chunks of one group) stay exact-ish and invariant."""
+    wf = jax.random.normal(jax.random.key(6), (K, N), jnp.float32) * 0.1
+    w = formats.quantize(wf, "w4a16", 128)  # one group over all of K, block_k 32: 4 chunks
+    x = acts(20, seed=2)
+    full = run(x, w, block_k=32, split_k=1)
+    ref = formats.reference_matmul(np.asarray(x), w)
+    assert np.all(np.abs(full - ref) <= float_bound(x, w) + 1e-30)
+    np.testing.assert_array_equal(run(x[:1], w, block_k=32, split_k=1), full[:1])
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
+def test_decode_knobs_lower_for_cuda(fmt):
+    x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
+    f = jax.jit(lambda x, w: gm.matmul(x, w, **BLK, **KNOBS[1]))
+    assert "__gpu$xla.gpu.triton" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_gpu_blocks_fill_the_sms_and_read_the_tuned_table(monkeypatch):
+    from kernels_pallas.gpu import tuned
+
+    for fmt in formats.FORMATS:
+        b = block_sizes.gpu_blocks(fmt, 4096, 4096)
+        assert (4096 // b.block_n) * b.split_k >= 128 and b.block_m == 16
+    monkeypatch.setitem(tuned.TUNED, ("w4a16", 4096, 4096), dict(block_n=32, split_k=2, swap_ab=True))
+    b = block_sizes.gpu_blocks("w4a16", 4096, 4096)
+    assert (b.block_n, b.split_k, b.swap_ab, b.block_k) == (32, 2, True, 256)
+    assert block_sizes.gpu_blocks("w4a16", 4096, 8192).block_n == 128  # other shapes untouched

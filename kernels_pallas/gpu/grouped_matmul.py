@@ -6,6 +6,8 @@ dropless, static shapes). The launch grid walks a static work list of (expert, r
 with the dense kernel's K loop (``gpu.matmul.accumulate``) and stores only its expert's rows
 (masked store). A row is therefore computed by the same program, with the same tile shapes and K
 order, whatever the group sizes, the number of rows, or its neighbours: bitwise invariant.
+The dense tiling is used without its split-K (``split_k`` is ignored here: the expert work list
+already gives the launch many programs).
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import block_sizes, formats
 from kernels_pallas.gpu import compiler_params
-from kernels_pallas.gpu.matmul import accumulate, compute_dtype, finish, plan, prepare_x
+from kernels_pallas.gpu.matmul import Tiling, accumulate, compute_dtype, configure, finish, prepare_x
 
 
-def _kernel(*refs, fmt: str, k: int, group_size: int, block_m: int, block_k: int, block_n: int, cdt):
+def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt):
     has_scales = formats.WEIGHT_BITS[fmt] is not None
     int_act = formats.ACT_BITS[fmt] == 8
     te_ref, tb_ref, tlo_ref, thi_ref, x_ref, w_ref, *rest = refs
     s_ref = rest.pop(0) if has_scales else None
     sx_ref = rest.pop(0) if int_act else None
     _, o_ref = rest  # rest[0] is the zero-filled output it aliases
+    block_m, block_n = tiling.block_m, tiling.block_n
     t = pl.program_id(0)
     e, rb, lo, hi = te_ref[t], tb_ref[t], tlo_ref[t], thi_ref[t]
     row0 = rb * block_m
@@ -42,8 +45,7 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, block_m: int, block_k: int
             fmt=fmt,
             k=k,
             group_size=group_size,
-            block_k=block_k,
-            block_shape=(block_m, block_n),
+            tiling=tiling,
             cdt=cdt,
         )
         s_w = s_ref[e, pl.ds(0, 1), :] if fmt == "w8a8" else None
@@ -55,8 +57,11 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, block_m: int, block_k: int
 
 @functools.partial(
     jax.jit,
-    static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages"),
-)
+    static_argnames=(
+        "out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+        "swap_ab", "int_dot",
+    ),
+)  # fmt: skip
 def grouped_matmul(
     x: jax.Array,
     w: formats.QuantizedWeight,
@@ -69,6 +74,8 @@ def grouped_matmul(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    swap_ab: bool | None = None,
+    int_dot: str | None = None,
 ) -> jax.Array:
     """``out[r] = x[r] @ w[e(r)]`` for rows sorted by expert; ``w`` is [E, K, N] in any format,
     ``group_sizes`` int32 [E]. Rows past ``sum(group_sizes)`` come out zero. Block sizes as in
@@ -79,9 +86,11 @@ def grouped_matmul(
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
     fmt = w.fmt
-    blocks = block_sizes.resolve(block_sizes.gpu_blocks(fmt, w.k, w.n), block_m, block_n, block_k)
-    bn, n_pad, bk, k_pad = plan(w, blocks)
-    bm = blocks.block_m
+    t = configure(
+        w, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+        num_stages=num_stages, split_k=1, swap_ab=swap_ab, int_dot=int_dot,
+    )  # fmt: skip
+    bm, bn, n_pad, k_pad = t.block_m, t.block_n, t.n_pad, t.k_pad
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m = x.shape[0]
     m_pad = block_sizes.round_up(max(m, 1), bm)
@@ -117,9 +126,7 @@ def grouped_matmul(
         fmt=fmt,
         k=k_pad,
         group_size=w.group_size,
-        block_m=bm,
-        block_k=bk,
-        block_n=bn,
+        tiling=t,
         cdt=compute_dtype(x.dtype, w),
     )
     out = pl.pallas_call(
@@ -130,7 +137,7 @@ def grouped_matmul(
         out_specs=out_spec,
         input_output_aliases={len(args) - 1: 0},
         interpret=interpret,
-        compiler_params=compiler_params(num_warps or blocks.num_warps, num_stages or blocks.num_stages),
+        compiler_params=compiler_params(t.num_warps, t.num_stages),
         name=f"qarl_{fmt}_grouped_matmul",
     )(*args)
     return out[:m, : w.n]

@@ -2,7 +2,7 @@
 
 Until the RL training loop lands, the job is the smallest real piece of QaRL end to end: build (or
 load) a Qwen3 policy on a device mesh, freeze it into the configured quantized format, roll out
-greedily over a KV cache with the frozen weights, then score the same tokens with the training
+greedily with the rollout engine (frozen weights), then score the same tokens with the training
 forward (master weights, same format) and report how far the two log-probabilities are apart.
 """
 
@@ -14,14 +14,13 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from qarl_jax import quant, sharding
 from qarl_jax.config import Config, ConfigError, load_config
-from qarl_jax.models import KVCache, Qwen3ForCausalLM, from_pretrained, preset
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, preset
 from qarl_jax.models.ops import token_logprobs
+from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 
 def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
@@ -40,26 +39,11 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
 
 
-def greedy_rollout(model, frozen, prompts: jax.Array, new_tokens: int):
-    """Prefill then greedy decoding over a KV cache; returns (tokens [B, T+N], rollout log-probs [B, N])."""
-    b, t = prompts.shape
-    cache = KVCache.init(model.config, b, t + new_tokens)
-
-    @jax.jit
-    def step(cache, tokens, positions):
-        logits, cache = model.apply({"params": frozen}, tokens, positions, cache, method="decode")
-        last = logits[:, -1]
-        nxt = jnp.argmax(last, axis=-1)
-        return cache, nxt, token_logprobs(last, nxt)
-
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    cache, nxt, lp = step(cache, prompts, positions)
-    out, lps = [nxt], [lp]
-    for i in tqdm(range(1, new_tokens), desc="rollout", unit="step", leave=False):
-        cache, nxt, lp = step(cache, nxt[:, None], jnp.full((b, 1), t + i - 1))
-        out.append(nxt)
-        lps.append(lp)
-    return jnp.concatenate([prompts, jnp.stack(out, 1)], axis=1), jnp.stack(lps, 1)
+def engine_rollout(engine: RolloutEngine, prompts: np.ndarray, new_tokens: int):
+    """Greedy rollout through the engine; returns (tokens [B, T+N], rollout log-probs [B, N])."""
+    out = rollout(engine, prompts.tolist(), max_new_tokens=new_tokens, sampling=GREEDY, ignore_eos=True)
+    generated = np.asarray([s[0].tokens for s in out], np.int32)
+    return np.concatenate([prompts, generated], axis=1), np.asarray([s[0].logprobs for s in out])
 
 
 def training_logprobs(model, params, tokens: jax.Array, prompt_len: int) -> jax.Array:
@@ -74,13 +58,17 @@ def run(config: Config) -> dict:
         model, params = build_policy(config, mesh)
         frozen = jax.jit(lambda p: quant.quantize_params(p, config.quant))(params)
         d = config.demo
-        prompts = jax.random.randint(
-            jax.random.key(config.seed + 1), (d.batch, d.prompt_len), 0, model.config.vocab_size
+        prompts = np.asarray(
+            jax.random.randint(
+                jax.random.key(config.seed + 1), (d.batch, d.prompt_len), 0, model.config.vocab_size
+            )
         )
-        greedy_rollout(model, frozen, prompts, 2)  # compile outside the timing
+        engine = RolloutEngine(
+            model, frozen, EngineConfig(slots=d.batch, max_len=d.prompt_len + d.new_tokens), mesh=mesh
+        )
+        engine_rollout(engine, prompts, 2)  # compile outside the timing
         start = time.perf_counter()
-        tokens, rollout_lp = greedy_rollout(model, frozen, prompts, d.new_tokens)
-        rollout_lp.block_until_ready()
+        tokens, rollout_lp = engine_rollout(engine, prompts, d.new_tokens)
         seconds = time.perf_counter() - start
         train_lp = training_logprobs(model, params, tokens, d.prompt_len)
         naive = Qwen3ForCausalLM(model.config, None)

@@ -1,0 +1,116 @@
+"""A real JetStream server (Driver + orchestrator, gRPC on localhost) around the rollout engine,
+queried through JetStream's own stubs: expected tokens, and it survives malformed requests."""
+
+import subprocess
+import sys
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from qarl_jax.models import Qwen3ForCausalLM, init_params, preset, save_pretrained
+from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
+
+EOS = 0
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def js():
+    """The JetStream modules, imported only here (TensorFlow: several seconds)."""
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+    from qarl_jax.rollout import jetstream_engine
+
+    jetstream_engine.quiet_orchestrator_logs()
+    return jetstream_pb2, jetstream_pb2_grpc, jetstream_engine
+
+
+@pytest.fixture(scope="module")
+def core():
+    model = Qwen3ForCausalLM(preset("qwen3-tiny"))
+    params = init_params(model, jax.random.key(0))
+    return RolloutEngine(
+        model, params, EngineConfig(slots=2, max_len=40, max_prefill_batch=1, eos_ids=(EOS,))
+    )
+
+
+@pytest.fixture(scope="module")
+def server(js, core):
+    _, _, jetstream_engine = js
+    srv = jetstream_engine.Server(jetstream_engine.JetStreamEngine(core, sampling=GREEDY), port=0)
+    yield srv
+    srv.stop()
+
+
+def decode(js, address, max_tokens, token_ids=None, text=None):
+    pb2, pb2_grpc, _ = js
+    request = pb2.DecodeRequest(max_tokens=max_tokens)
+    if token_ids is not None:
+        request.token_content.token_ids.extend(token_ids)
+    if text is not None:
+        request.text_content.text = text
+    with grpc.insecure_channel(address) as channel:
+        stub = pb2_grpc.OrchestratorStub(channel)
+        out = []
+        for response in stub.Decode(request, timeout=TIMEOUT):
+            for sample in response.stream_content.samples:
+                out.extend(sample.token_ids)
+        return out
+
+
+def test_server_returns_engine_tokens_and_survives_bad_requests(js, core, server):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 128, size=n).tolist() for n in (6, 13)]
+    want = rollout(core, prompts, max_new_tokens=8, sampling=GREEDY, progress=False)
+    expected = [[t for t in s[0].tokens if t != EOS] for s in want]  # JetStream drops the stop token
+    assert all(expected)
+
+    assert decode(js, server.address, 8, token_ids=prompts[0]) == expected[0]
+    bad = {
+        "empty": dict(),
+        "no tokens": dict(token_ids=[]),
+        "out of range": dict(token_ids=[5, 128]),
+        "negative": dict(token_ids=[-3, 4]),
+        "too long": dict(token_ids=[1] * 40),
+        "text without tokenizer": dict(text="1+1="),
+    }
+    for name, kwargs in bad.items():
+        with pytest.raises(grpc.RpcError) as err:
+            decode(js, server.address, 8, **kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    for max_tokens in (0, -1, 100):
+        with pytest.raises(grpc.RpcError) as err:
+            decode(js, server.address, max_tokens, token_ids=prompts[0])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert decode(js, server.address, 8, token_ids=prompts[1]) == expected[1]  # still serving
+    assert decode(js, server.address, 3, token_ids=prompts[0]) == expected[0][:3]
+
+
+def test_serve_cli_on_a_checkpoint(tmp_path, js):
+    """``python -m qarl_jax.serve`` loads a checkpoint, freezes it (w8a8) and answers on localhost."""
+    from qarl_jax.data.arith_tokenizer import build_arithmetic_tokenizer
+
+    tokenizer = build_arithmetic_tokenizer()
+    config = preset("qwen3-tiny")
+    params = init_params(Qwen3ForCausalLM(config), jax.random.key(2))
+    save_pretrained(tmp_path, config, params, tokenizer)
+    cmd = [sys.executable, "-m", "qarl_jax.serve", "--checkpoint", str(tmp_path), "--quant", "w8a8"]
+    cmd += ["--port", "0", "--slots", "2", "--max-len", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("serving on"):
+                break
+        assert line.startswith("serving on 127.0.0.1:"), line
+        address = line.split()[-1]
+        out = decode(js, address, 5, text="12+7=")
+        assert 1 <= len(out) <= 5 and all(0 <= t < 128 for t in out)
+        with pytest.raises(grpc.RpcError):
+            decode(js, address, 5, text="")
+        assert decode(js, address, 5, text="12+7=") == out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -8,7 +8,8 @@ logits are more than 1e-4 apart). Our engine runs the bf16 (unquantized) format,
 
 ``--gpu-shape``: a Qwen3-1.7B-shaped model with random weights (bf16, lm_head unquantized), prompt
 128, 256 new tokens, batch 16/64/256, per format, within ``--budget-s``; imports only jax, numpy,
-flax and qarl_jax (no torch, transformers, TensorFlow or AQT there).
+flax and qarl_jax (no torch, transformers or TensorFlow there), plus aqtp, through
+``quantize_params``, for the quantized formats (a pure-Python wheel on the H200).
 
     python benchmarks/rollout.py [--json OUT] [--gpu-shape --budget-s 400]
 """

@@ -1,76 +1,127 @@
-"""AQT path: TRAIN (on-the-fly) and SERVE (frozen) outputs bitwise equal, rows batch-invariant."""
+"""AQT as the weight quantizer/freezer: its integers and scales are kernels_pallas.formats' bit for bit."""
 
-import flax.linen as nn
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aqt.jax.v2 import aqt_quantizer, calibration
+from aqt.jax.v2 import utils as aqt_utils
 
+import kernels_pallas as kp
+from kernels_pallas.formats import int_values
+from qarl_jax import quant
 from qarl_jax.quant import aqt as qaqt
 
-K, N = 128, 40
+K, N, E = 256, 24, 3
+CASES = [  # (fmt, group_size, leading expert axis)
+    ("w8a8", None, ()),
+    ("w8a8", None, (E,)),
+    ("w4a16", 32, ()),
+    ("w4a16", K, ()),
+    ("w4a16", None, (E,)),
+    ("w4a8", 64, ()),
+    ("w4a8", None, (E,)),
+]
 
 
-class Dense(nn.Module):
-    fmt: str
-    mode: qaqt.QuantMode
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(N, use_bias=False, dot_general=qaqt.aqt_dot_general(self.fmt, self.mode), name="d")(x)
-
-
-def _x(m, seed, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, K)), jnp.float32).astype(dtype)
-
-
-@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
-@pytest.mark.parametrize("fmt", qaqt.AQT_FORMATS)
-def test_train_and_serve_bitwise_equal(fmt, dtype):
-    x = _x(70, 0, dtype)
-    train = Dense(fmt, qaqt.QuantMode.TRAIN)
-    params = train.init(jax.random.key(1), x)
-    y_train = jax.jit(train.apply)(params, x)
-    _, frozen = Dense(fmt, qaqt.QuantMode.CONVERT).apply(params, x, mutable=True)
-    qvalue = jax.tree.leaves(frozen["aqt"])[0]
-    assert jnp.issubdtype(qvalue.dtype, jnp.integer)  # SERVE really reads frozen integers
-    serve = Dense(fmt, qaqt.QuantMode.SERVE)
-    zeroed = {"params": jax.tree.map(jnp.zeros_like, params["params"]), "aqt": frozen["aqt"]}
-    y_serve = jax.jit(serve.apply)(zeroed, x)
-    np.testing.assert_array_equal(np.asarray(y_train, np.float32), np.asarray(y_serve, np.float32))
-    one = jax.jit(serve.apply)(zeroed, x[37:38])
-    np.testing.assert_array_equal(np.asarray(one[0], np.float32), np.asarray(y_serve[37], np.float32))
-    ref = np.asarray(x, np.float64) @ np.asarray(params["params"]["d"]["kernel"], np.float64)
-    rel = np.abs(np.asarray(y_serve, np.float64) - ref).max() / np.abs(ref).max()
-    assert rel < (0.15 if "w4" in fmt else 0.02)  # per-channel int4 is coarse: a sanity bound
+def _tie_column(rng, qmax: int, group: int) -> np.ndarray:
+    """A column whose values sit on half-integers of their group's scale: dividing by the scale and
+    multiplying by its reciprocal round many of them differently."""
+    parts = []
+    for _ in range(K // group):
+        absmax = np.float32(rng.uniform(0.5, 2.0))
+        scale = np.float32(absmax / np.float32(qmax))
+        halves = rng.integers(-qmax, qmax, size=group - 1).astype(np.float32) + np.float32(0.5)
+        parts.append(np.concatenate([[absmax], (halves * scale).astype(np.float32)]))
+    return np.concatenate(parts)
 
 
-def test_injected_raw_dot_is_row_blocked():
-    x = _x(3, 1)
-    serve = Dense("w8a8", qaqt.QuantMode.TRAIN)
-    params = serve.init(jax.random.key(2), x)
-    hlo = jax.jit(serve.apply).lower(params, x).compile().as_text()
-    assert any(" while(" in line for line in hlo.splitlines())
+def _weight(lead, qmax, seed, group=K, dtype=jnp.float32) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((*lead, K, N)).astype(np.float32)
+    w[..., 0] = 0.0  # an all-zero column: scale 1
+    w[..., 1] *= 1e4  # an outlier column
+    w[..., 2] = _tie_column(rng, qmax, group)
+    return jnp.asarray(w).astype(dtype)
 
 
-def test_aqt_gradients_are_straight_through():
-    x = _x(8, 3)
-    train = Dense("w4a16", qaqt.QuantMode.TRAIN)
-    params = train.init(jax.random.key(4), x)
-    g = jax.grad(lambda p: jnp.sum(train.apply(p, x)))(params)["params"]["d"]["kernel"]
-    np.testing.assert_allclose(
-        g, np.broadcast_to(np.asarray(x).sum(0)[:, None], (K, N)), rtol=1e-5, atol=1e-5
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=("f32", "bf16"))
+@pytest.mark.parametrize(("fmt", "group_size", "lead"), CASES)
+def test_aqt_equals_formats_bitwise(fmt, group_size, lead, dtype):
+    g = kp.resolve_group_size(fmt, K, group_size)
+    w = _weight(lead, 127 if fmt == "w8a8" else 7, seed=len(lead) + g, group=g, dtype=dtype)
+    got = jax.jit(qaqt.quantize, static_argnums=(1, 2))(w, fmt, group_size)
+    want = kp.quantize(w, fmt, group_size)
+    assert (got.fmt, got.group_size) == (want.fmt, want.group_size)
+    assert got.values.dtype == want.values.dtype and got.scales.dtype == want.scales.dtype
+    np.testing.assert_array_equal(_bits(got.values), _bits(want.values))
+    np.testing.assert_array_equal(_bits(got.scales), _bits(want.scales))
+
+
+def test_qtensor_is_tiled_along_k_and_dequantizes_like_formats():
+    w = _weight((E,), 7, seed=1)
+    qt = qaqt.quantize_qtensor(w, 4, 32)
+    assert qt.qvalue.shape == (E, K // 32, 32, N) and qt.scale[0].shape == (E, K // 32, 1, N)
+    assert int(jnp.abs(qt.qvalue).max()) <= 7
+    np.testing.assert_array_equal(_bits(qt.dequant()), _bits(kp.dequantize(kp.quantize(w, "w4a16", 32))))
+
+
+def test_stock_aqt_calibration_differs():
+    """Why qarl_jax.quant.aqt has its own calibration class: all-zero columns."""
+    w = _weight((), 127, seed=2)
+    stock = aqt_quantizer.Quantizer(
+        numerics=qaqt.weight_quantizer(8).numerics,
+        calib_shared_axes=None,
+        scale_stop_grad=True,
+        scale_dtype=jnp.float32,
+        calibration=calibration.AbsMaxCalibration,
+        context=aqt_utils.Context(key=None, train_step=None),
     )
+    stock.init_calibration()
+    qt, _ = stock.quant(w, calibration_axes=[0])
+    want = kp.quantize(w, "w8a8")
+    assert qt.scale[0][0, 0] == np.float32(1 / 127) and want.scales[0, 0] == 1.0
+    np.testing.assert_array_equal(qt.qvalue, int_values(want))  # XLA:CPU rewrites w / s as w * (1 / s)
 
 
-def test_invariant_dot_general_falls_back_for_other_contractions():
-    a, b = _x(4, 5), _x(6, 6)
-    dims = (((1,), (1,)), ((), ()))
-    np.testing.assert_array_equal(qaqt.invariant_dot_general(a, b, dims), jax.lax.dot_general(a, b, dims))
+def test_model_door_quantizes_through_aqt(monkeypatch):
+    calls, aqt_quantize = [], qaqt.quantize
+
+    def spy(w, fmt, group_size=None):
+        calls.append(fmt)
+        return aqt_quantize(w, fmt, group_size)
+
+    monkeypatch.setattr(qaqt, "quantize", spy)
+    spec = quant.QuantSpec(fmt="w4a16", group_size=32)
+    x = jnp.ones((2, K), jnp.float32)
+    quant.dot(x, _weight((), 7, 3), spec, "mlp")
+    quant.grouped_dot(x, _weight((E,), 7, 4), jnp.array([1, 0, 1], jnp.int32), spec)
+    quant.quantize_params({"mlp": {"up_proj": {"kernel": _weight((), 7, 5)}}}, spec)
+    quant.dot(x, _weight((), 7, 6), spec, "lm_head")  # an unquantized kind: bf16, no quantizer
+    assert calls == ["w4a16"] * 3
 
 
-def test_aqt_errors():
-    with pytest.raises(ValueError, match="bf16 needs no quantizer"):
-        qaqt.aqt_config("bf16")
+def test_model_and_rollout_import_without_aqt():
+    code = "import sys, qarl_jax.quant, qarl_jax.models, qarl_jax.rollout; print('aqt' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_aqt_quantize_errors():
+    w = jnp.ones((K, N))
+    with pytest.raises(ValueError, match="not 'bf16'"):
+        qaqt.quantize(w, "bf16")
     with pytest.raises(ValueError, match="unknown quantization format 'w3a3'"):
-        qaqt.aqt_config("w3a3")
+        qaqt.quantize(w, "w3a3")
+    with pytest.raises(ValueError, match="not a multiple of the group size 96"):
+        qaqt.quantize(w, "w4a16", 96)
+    with pytest.raises(TypeError, match="floating-point"):
+        qaqt.quantize(jnp.ones((K, N), jnp.int32), "w8a8")

@@ -53,14 +53,19 @@ def test_master_and_frozen_bitwise_equal(spec):
         "lm_head": (params["lm_head"]["kernel"], frozen["lm_head"]["kernel"]),
     }
     for kind, (master, fz) in pairs.items():
-        train = jax.jit(lambda x, w, kind=kind: dot(x, w, spec, kind))(x, master)
-        np.testing.assert_array_equal(
-            np.asarray(train, np.float32), np.asarray(dot(x, fz, spec, kind), np.float32)
-        )
+        train = np.asarray(jax.jit(lambda x, w, kind=kind: dot(x, w, spec, kind))(x, master), np.float32)
+        np.testing.assert_array_equal(train, np.asarray(dot(x, fz, spec, kind), np.float32))
+        # AQT quantizes (training and freeze) to kernels_pallas' integers: outputs as without AQT
+        fmt, group_size = spec.format_of(kind)
+        direct = kp.quantized_matmul(x, kp.quantize(master, fmt, group_size))
+        np.testing.assert_array_equal(train, np.asarray(direct, np.float32))
     sizes = jnp.array([3, 0, 6], jnp.int32)
     xe = _rand((10, K), 11)
     master, fz = layers["moe"]["experts"]["up_proj"], flayers["moe"]["experts"]["up_proj"]
-    np.testing.assert_array_equal(grouped_dot(xe, master, sizes, spec), grouped_dot(xe, fz, sizes, spec))
+    train = grouped_dot(xe, master, sizes, spec)
+    np.testing.assert_array_equal(train, grouped_dot(xe, fz, sizes, spec))
+    fmt, group_size = spec.format_of("experts")
+    np.testing.assert_array_equal(train, kp.grouped_matmul(xe, kp.quantize(master, fmt, group_size), sizes))
 
 
 def test_quantize_params_kinds():
@@ -113,11 +118,25 @@ def test_spec_none_is_plain_xla():
     np.testing.assert_array_equal(grouped_dot(xe, we, sizes, None), want)
 
 
-def test_gradients_flow_to_master_weights():
-    spec = QuantSpec(fmt="w8a8")
+@pytest.mark.parametrize("spec", SPECS[1:3], ids=lambda s: s.fmt)
+def test_gradients_flow_to_master_weights(spec):
+    """The STE on AQT-quantized weights: the gradients of the kernels_pallas STE, bit for bit."""
     x, w = _rand((6, K), 18), _rand((K, N), 19)
-    dw = jax.jit(jax.grad(lambda w: jnp.sum(dot(x, w, spec, "attention") ** 2)))(w)
-    assert dw.shape == w.shape and bool(jnp.all(jnp.isfinite(dw))) and float(jnp.abs(dw).max()) > 0
+    fmt, group_size = spec.format_of("attention")
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(dot(x, w, spec, "attention") ** 2), (0, 1)))(x, w)
+    want = jax.jit(
+        jax.grad(lambda x, w: jnp.sum(kp.quantized_matmul_ste(x, w, fmt, group_size) ** 2), (0, 1))
+    )(x, w)
+    assert float(jnp.abs(grads[1]).max()) > 0
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    xe, we, sizes = _rand((7, K), 20), _rand((E, K, N), 21), jnp.array([2, 4, 1], jnp.int32)
+    grads = jax.grad(lambda x, w: jnp.sum(grouped_dot(x, w, sizes, spec) ** 2), (0, 1))(xe, we)
+    want = jax.grad(lambda x, w: jnp.sum(kp.grouped_matmul_ste(x, w, sizes, fmt, group_size) ** 2), (0, 1))(
+        xe, we
+    )
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_bridge_errors():

@@ -1,53 +1,98 @@
 """The row-wise operations of the forward, one place each.
 
-Every norm, attention and log-softmax in the models goes through these functions, so the
-batch-invariant kernels (fixed row blocks, fixed key-block order) replace them everywhere at once.
+Every norm, attention, softmax and log-softmax in the models goes through these functions; they run
+the batch-invariant kernels of ``kernels_pallas`` (fixed row blocks, fixed key-block and vocabulary
+chunk order), so a token's bits do not depend on the batch, the packing or the KV-cache length.
+Only exact or elementwise work (residual adds, activations, gathers) is left to XLA.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import math
+from collections.abc import Callable
 
-_MASKED = -1e30  # finite: a fully masked (padding) query row stays finite instead of NaN
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec as P
+
+from kernels_pallas import attention as _attention
+from kernels_pallas import rowwise
+
+
+def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -> jax.Array:
+    """``fn(*args)`` with each device running it on its own batch rows (leading axis of the
+    ``batched`` args and of the result) under the active mesh and the logical "batch" rule; other
+    args are gathered whole. Why: under plain jit the SPMD partitioner splits a kernel's row-block
+    loop its own way (measured: FSDP layouts changed the bits); inside ``shard_map`` every device
+    runs the single-device program. Rows are replicated when the batch does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes:  # no mesh, or already per device
+        return fn(*args)
+    if any(a is None for a in args):  # absent optional inputs stay out of shard_map
+        present = [i for i, a in enumerate(args) if a is not None]
+
+        def with_nones(*xs):
+            full = [None] * len(args)
+            for i, x in zip(present, xs, strict=True):
+                full[i] = x
+            return fn(*full)
+
+        return per_device(with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present))
+    axes = nn.logical_to_mesh_axes(("batch",))[0]
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
+    ways = math.prod(mesh.shape[a] for a in names)
+    spec = P(names) if names and rows % ways == 0 else P()
+    specs = tuple(spec if b else P() for b in batched)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3's RMSNorm: normalise in f32, cast back to the input dtype, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * xf.astype(x.dtype)
+    return per_device(lambda x, w: rowwise.rms_norm(x, w, eps), x, weight, batched=(True, False))
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding, non-interleaved halves (rotate_half), angles in f32. x: [B, T, H, D]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    return per_device(lambda x, p: rowwise.rope(x, p, theta), x, positions, batched=(True, True))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,D], k/v [B,S,KV,D], mask [B,T,S] (True = attend)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    starts: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention. q [B,T,H,D], k/v [B,S,KV,D]; query (b, t) sees the keys at
+    indices starts[b, t] + 0..positions[b, t] (starts None: 0, the KV cache) of its own segment
+    (segment_ids [B, T], for packed rows where S == T)."""
+    return per_device(
+        lambda q, k, v, pos, st, seg: _attention.attention(q, k, v, pos, st, seg, seg),
+        q,
+        k,
+        v,
+        positions,
+        starts,
+        segment_ids,
+        batched=(True, True, True, True, True, True),
+    )
 
 
-def log_softmax(logits: jax.Array) -> jax.Array:
-    """Log-probabilities over the vocabulary in f32."""
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def softmax(logits: jax.Array) -> jax.Array:
+    """Probabilities over the last axis in f32."""
+    return per_device(rowwise.softmax, logits, batched=(True,))
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log p(target) per position: logits [..., V], targets [...] -> [...] (f32)."""
-    logp = log_softmax(logits)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+def log_softmax(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Log-probabilities of ``logits / temperature`` over the vocabulary in f32."""
+    return per_device(lambda x: rowwise.log_softmax(x, temperature), logits, batched=(True,))
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log p(target) per position: logits [..., V], targets [...] -> [...] (f32); bitwise equal to
+    ``log_softmax(logits, temperature)`` at the target, whatever the number of rows."""
+    return per_device(
+        lambda x, t: rowwise.token_logprobs(x, t, temperature), logits, targets, batched=(True, True)
+    )

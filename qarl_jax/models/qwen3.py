@@ -68,7 +68,13 @@ class Dense(nn.Module):
         kernel = _param(
             self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype)
         )
-        return quant.dot(x.astype(self.config.dtype), kernel, self.quant, self.kind)
+        spec, kind = self.quant, self.kind
+        return ops.per_device(
+            lambda x, w: quant.dot(x, w, spec, kind),
+            x.astype(self.config.dtype),
+            kernel,
+            batched=(True, False),
+        )
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +95,7 @@ class Attention(nn.Module):
     quant: quant.QuantSpec | None
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache=None):
+    def __call__(self, x, positions, starts, segment_ids, layer_cache=None):
         c = self.config
         b, t, _ = x.shape
         h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -107,7 +113,7 @@ class Attention(nn.Module):
             k = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
             v = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
             layer_cache = (k, v)
-        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, starts, segment_ids)
         out = nn.with_logical_constraint(out.reshape(b, t, h * d), ("batch", "length", "act_heads"))
         return dense(c.hidden_size, ("q_heads", "embed"), "o_proj")(out), layer_cache
 
@@ -165,27 +171,43 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        b, t, hdim = x.shape
-        e, k = c.num_experts, c.num_experts_per_tok
-        tokens = x.reshape(b * t, hdim)
-        logits = Dense(e, "router", ("embed", None), c, self.quant, name="router")(tokens)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, k)
-        if c.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        weights = weights.astype(c.dtype)
+        router = _Kernel((c.hidden_size, c.num_experts), ("embed", None), c.param_dtype, name="router")()
+        weights = ExpertWeights(c, name="experts")()
+        # tokens are independent (dropless): each device routes and computes its own batch rows
+        return ops.per_device(
+            lambda x, r, w: _moe(x, r, w, c, self.quant), x, router, weights, batched=(True, False, False)
+        )
 
-        flat_experts = experts.reshape(-1)
-        order = jnp.argsort(flat_experts, stable=True)
-        rows = tokens[order // k]
-        group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
-        w_gate, w_up, w_down = ExpertWeights(c, name="experts")()
-        rows = rows.astype(c.dtype)
-        gate = quant.grouped_dot(rows, w_gate, group_sizes, self.quant, "experts")
-        up = quant.grouped_dot(rows, w_up, group_sizes, self.quant, "experts")
-        out = quant.grouped_dot(nn.silu(gate) * up, w_down, group_sizes, self.quant, "experts")
-        out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
-        return jnp.sum(out * weights[..., None], axis=1).reshape(b, t, hdim)
+
+def _moe(x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None) -> jax.Array:
+    b, t, hdim = x.shape
+    e, k = c.num_experts, c.num_experts_per_tok
+    tokens = x.reshape(b * t, hdim).astype(c.dtype)
+    logits = quant.dot(tokens, router, spec, "router")
+    weights, experts = jax.lax.top_k(ops.softmax(logits), k)
+    if c.norm_topk_prob:
+        weights = weights / _sum_in_order([weights[:, i : i + 1] for i in range(k)])
+    weights = weights.astype(c.dtype)
+
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    rows = tokens[order // k]
+    group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
+    w_gate, w_up, w_down = expert_weights
+    gate = quant.grouped_dot(rows, w_gate, group_sizes, spec, "experts")
+    up = quant.grouped_dot(rows, w_up, group_sizes, spec, "experts")
+    out = quant.grouped_dot(nn.silu(gate) * up, w_down, group_sizes, spec, "experts")
+    out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
+    return _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]).reshape(b, t, hdim)
+
+
+def _sum_in_order(terms: list[jax.Array]) -> jax.Array:
+    """t0 + t1 + ... left to right: elementwise adds in a fixed order instead of an XLA reduction,
+    whose order may change with the number of tokens."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 class DecoderLayer(nn.Module):
@@ -194,10 +216,12 @@ class DecoderLayer(nn.Module):
     quant: quant.QuantSpec | None
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache=None):
+    def __call__(self, x, positions, starts, segment_ids, layer_cache=None):
         c = self.config
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="input_layernorm")(x)
-        h, layer_cache = Attention(c, self.quant, name="self_attn")(h, positions, mask, layer_cache)
+        h, layer_cache = Attention(c, self.quant, name="self_attn")(
+            h, positions, starts, segment_ids, layer_cache
+        )
         x = x + h
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="post_attention_layernorm")(x)
         ffn = MoE if c.is_moe_layer(self.layer) else MLP
@@ -210,6 +234,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     config: Qwen3Config
     quant: quant.QuantSpec | None = None
+    remat: bool = False  # recompute each layer's activations in the backward pass (long sequences)
 
     def setup(self):
         c = self.config
@@ -222,7 +247,8 @@ class Qwen3ForCausalLM(nn.Module):
             param_dtype=jnp.dtype(c.param_dtype),
             dtype=jnp.dtype(c.dtype),
         )
-        self.layers = [DecoderLayer(c, i, self.quant) for i in range(c.num_hidden_layers)]
+        layer = nn.remat(DecoderLayer) if self.remat else DecoderLayer
+        self.layers = [layer(c, i, self.quant) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Dense(c.vocab_size, "lm_head", ("embed", "vocab"), c, self.quant)
@@ -230,7 +256,13 @@ class Qwen3ForCausalLM(nn.Module):
     def _logits(self, x: jax.Array) -> jax.Array:
         x = self.norm(x)
         if self.config.tie_word_embeddings:
-            return quant.dot(x, self.embed_tokens.embedding.T, self.quant, "lm_head")
+            spec = self.quant
+            return ops.per_device(
+                lambda x, w: quant.dot(x, w.T, spec, "lm_head"),
+                x,
+                self.embed_tokens.embedding,
+                batched=(True, False),
+            )
         return self.lm_head(x)
 
     def __call__(
@@ -243,12 +275,11 @@ class Qwen3ForCausalLM(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = causal[None] & same & (segment_ids[:, None, :] != 0)
+        # a packed sequence's position 0 sits at row index t - position: its key blocks start there
+        starts = jnp.arange(t, dtype=jnp.int32)[None, :] - positions.astype(jnp.int32)
         x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "act_embed"))
         for layer in self.layers:
-            x, _ = layer(x, positions, mask)
+            x, _ = layer(x, positions, starts, segment_ids)
         return self._logits(x)
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
@@ -256,11 +287,10 @@ class Qwen3ForCausalLM(nn.Module):
 
         Each row is one sequence (a rollout slot); token t of row b sits at positions[b, t] and
         attends to every cached position <= its own. Positions >= cache length are dropped."""
-        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
         x = self.embed_tokens(tokens)
         all_k, all_v = cache.k, cache.v
         for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, positions, mask, (all_k[i], all_v[i]))
+            x, (k, v) = layer(x, positions, None, None, (all_k[i], all_v[i]))
             all_k, all_v = all_k.at[i].set(k), all_v.at[i].set(v)  # in place under jit
         return self._logits(x), KVCache(k=all_k, v=all_v)
 

@@ -1,15 +1,17 @@
 """The model's one door to quantized matmuls (and the only qarl_jax module that imports AQT).
 
-Training passes float master kernels: they are quantized on the fly under a straight-through
-estimator. The rollout passes frozen :class:`QuantizedWeight` leaves (``quantize_params``). Both
-reach the same kernel with the same integers, so their outputs are bitwise equal.
+Training passes float master kernels: AQT quantizes them on the fly under a straight-through
+estimator. The rollout passes frozen :class:`QuantizedWeight` leaves (``quantize_params``, AQT's
+freeze). Both reach the same kernel with the same integers, so their outputs are bitwise equal;
+AQT's integers and scales are exactly :func:`kernels_pallas.quantize`'s (see
+:mod:`qarl_jax.quant.aqt`).
 
 Kinds: attention, mlp, experts (quantized by default), lm_head, router, embed (run the bf16-format
 invariant kernel unless listed in ``QuantSpec.quantized``). ``spec=None`` is plain XLA, the naive
 path for alignment baselines and Hugging Face parity tests.
 
-``quantize_params`` recognises kinds by path (see :func:`kind_of`); AQT lives in
-:mod:`qarl_jax.quant.aqt` and is imported lazily.
+``quantize_params`` recognises kinds by path (see :func:`kind_of`). AQT is imported on the first
+quantized weight, so importing the model or the rollout engine does not need it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from kernels_pallas import (
     quantized_matmul_ste,
 )
 from kernels_pallas.formats import check_format
+from kernels_pallas.ste import Quantizer
 
 KINDS = ("attention", "mlp", "experts", "lm_head", "router", "embed")
+MODES = ("aligned", "naive")
 ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
 
@@ -41,14 +45,24 @@ class QuantSpec:
     fmt: str = "bf16"  # bf16 | w8a8 | w4a16 | w4a8
     group_size: int | None = None  # None: format default (128 for int4, per channel for int8)
     quantized: tuple[str, ...] = ("attention", "mlp", "experts")  # the other kinds run the bf16 kernel
+    # aligned: the training forward runs these kernels on weights quantized on the fly (QaRL);
+    # naive: the rollout is quantized, the training forward is full precision (the paper's baseline)
+    mode: str = "aligned"
 
     def __post_init__(self):
         check_format(self.fmt)
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
         unknown = [k for k in self.quantized if k not in KINDS]
         if unknown:
             raise ValueError(
                 f"unknown layer kinds {unknown} in QuantSpec.quantized; expected some of {KINDS}"
             )
+
+    def training_spec(self) -> QuantSpec | None:
+        """The spec of the training forward: this one when aligned, None (plain XLA matmuls on the
+        float master weights) when naive. The rollout always runs ``self``."""
+        return self if self.mode == "aligned" else None
 
     def format_of(self, kind: str) -> tuple[str, int | None]:
         """(format, group size) that layers of ``kind`` run in."""
@@ -62,6 +76,15 @@ class QuantSpec:
 def _check_frozen(w: QuantizedWeight, fmt: str, kind: str) -> None:
     if w.fmt != fmt:
         raise ValueError(f"{kind} weight is frozen as {w.fmt!r} but the spec runs {kind} layers in {fmt!r}")
+
+
+def _weight_quantizer(fmt: str) -> Quantizer:
+    """AQT for the quantized formats; bf16 has nothing to quantize (the weight is the value)."""
+    if fmt == "bf16":
+        return quantize
+    from qarl_jax.quant import aqt
+
+    return aqt.quantize
 
 
 def _float_weight(w) -> jax.Array:
@@ -79,7 +102,7 @@ def dot(x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, ki
     if isinstance(w, QuantizedWeight):
         _check_frozen(w, fmt, kind)
         return quantized_matmul(x, w)
-    return quantized_matmul_ste(x, w, fmt, group_size)
+    return quantized_matmul_ste(x, w, fmt, group_size, quantizer=_weight_quantizer(fmt))
 
 
 def grouped_dot(
@@ -98,7 +121,7 @@ def grouped_dot(
     if isinstance(w, QuantizedWeight):
         _check_frozen(w, fmt, kind)
         return grouped_matmul(x, w, group_sizes)
-    return grouped_matmul_ste(x, w, group_sizes, fmt, group_size)
+    return grouped_matmul_ste(x, w, group_sizes, fmt, group_size, quantizer=_weight_quantizer(fmt))
 
 
 def _key_name(key) -> str:
@@ -130,17 +153,27 @@ def kind_of(path: tuple[str, ...]) -> str | None:
 
 
 def quantize_params(params, spec: QuantSpec):
-    """Freeze for the rollout: every float weight whose kind is quantized becomes a QuantizedWeight
-    (the integers the training forward computes on the fly); all other leaves are returned as is."""
+    """Freeze for the rollout: AQT turns every float weight whose kind is quantized into a
+    QuantizedWeight (the integers the training forward computes on the fly); all other leaves are
+    returned as is."""
 
     def freeze(path, leaf):
         kind = kind_of(tuple(_key_name(k) for k in path))
         if isinstance(leaf, QuantizedWeight) or kind is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
             return leaf
         fmt, group_size = spec.format_of(kind)
-        return leaf if fmt == "bf16" else quantize(leaf, fmt, group_size)
+        return leaf if fmt == "bf16" else _weight_quantizer(fmt)(leaf, fmt, group_size)
 
     return jax.tree_util.tree_map_with_path(freeze, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
 
 
-__all__ = ["KINDS", "QuantSpec", "QuantizedWeight", "dot", "grouped_dot", "kind_of", "quantize_params"]
+__all__ = [
+    "KINDS",
+    "MODES",
+    "QuantSpec",
+    "QuantizedWeight",
+    "dot",
+    "grouped_dot",
+    "kind_of",
+    "quantize_params",
+]

@@ -1,82 +1,121 @@
-"""AQT (aqtp 0.9) front door for per-channel formats, with our row-block kernel as its raw dot.
+"""AQT (aqtp 0.9, ``aqt.jax.v2``) as the model's weight quantizer and freezer.
 
-AQT quantizes (TRAIN: master weights on the fly), calibrates and freezes (CONVERT writes int
-weights + scales into the ``aqt`` collection; SERVE reads them). Its raw ``dot_general`` is
-injectable (``cfg.fwd.dot_general``); we inject :func:`invariant_dot_general`, which runs the
-Dense-shaped forward over fixed row blocks, so every row is batch-invariant and TRAIN and SERVE
-multiply the same integers with the same program. AQT's own numerics (scale = absmax / 127.5,
-not / 127) differ from :mod:`kernels_pallas.formats`, so AQT outputs are not bitwise our
-``qarl_jax.quant.dot``'s; AQT's group-wise path (tiled_dot_general) is too slow, so group-wise
-formats use ``qarl_jax.quant.dot`` only. AQT is end-of-life upstream; Qwix is the successor.
+AQT calibrates and quantizes every quantized weight: on the fly from the master weights in the
+training forward (AQT's TRAIN mode) and once for the rollout (its CONVERT/SERVE freeze: int values
++ scales). Its :class:`QTensor` is then handed to our kernels as a :class:`QuantizedWeight`; our
+kernel is the raw matmul and quantizes activations itself (per token, row-invariant).
+
+The integers and scales are exactly :func:`kernels_pallas.formats.quantize`'s, so training and
+rollout, AQT or not, run the same kernel on the same bits:
+- numerics: AQT's ``IntSymmetric`` with ``preserve_zero`` and ``preserve_max_val`` has quant bound
+  qmax (127 / 7), clips to [-qmax, qmax] and rounds half to even: our numerics as they are;
+- groups: AQT's tiling of the contraction axis K into tiles of ``group_size`` rows, calibrated
+  per tile: scales [.., K // group_size, N] (per channel is one tile of K rows);
+- two small classes of ours where stock AQT is not our numerics: its ``AbsMaxCalibration`` gives
+  all-zero groups scale 1 / qmax (ours: 1); its ``QTensor.quant`` multiplies by
+  ``reciprocal(scale)`` where we divide. XLA happens to rewrite ``w / broadcast(s)`` into
+  ``w * broadcast(1 / s)`` on CPU, so those agree there, but only through that rewrite; our
+  quantizer divides like :func:`kernels_pallas.formats.quantize`, the same op on every backend.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
-from aqt.jax.v2 import config as aqt_cfg
+from aqt.jax.v2 import aqt_quantizer, aqt_tensor, calibration
 from aqt.jax.v2 import utils as aqt_utils
-from aqt.jax.v2.flax import aqt_flax
-from jax import lax
+from aqt.jax.v2.numerics import int_numerics
+from aqt.jax.v2.tiled_dot_general import AxisTiling, generate_tiling_state
 
-from kernels_pallas import cpu_matmul
-from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, check_format
-
-QuantMode = aqt_utils.QuantMode
-AQT_FORMATS = ("w8a8", "w4a16", "w4a8")
+from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, pack_int4, resolve_group_size
 
 
-def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-    """AQT's raw dot: Dense-shaped contractions (last lhs axis with first rhs axis, no batch axes)
-    run over fixed row blocks; other shapes (AQT's gradient dots) fall back to ``lax.dot_general``."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    if tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,) or lb or rb or rhs.ndim != 2:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    if jnp.issubdtype(lhs.dtype, jnp.integer) and jnp.issubdtype(rhs.dtype, jnp.integer):
-        lhs, rhs = lhs.astype(jnp.int8), rhs.astype(jnp.int8)  # XLA:CPU cannot dot int4 directly
-        acc = jnp.int32
-    else:
-        ct = jnp.result_type(lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else rhs.dtype, jnp.float32)
-        lhs, rhs, acc = lhs.astype(ct), rhs.astype(ct), jnp.float32
-    out_dtype = preferred_element_type or acc
-    *lead, k = lhs.shape
-    x2d = lhs.reshape(-1, k)
-    block_rows = cpu_matmul.default_block_rows(k, rhs.shape[1])
+@aqt_utils.flax_slots_kw_only_dataclass
+class FormatsAbsMaxCalibration(calibration.Calibration):
+    """Abs-max calibration with scale = absmax / quant_bound, and 1 for all-zero groups (as ours)."""
 
-    def block_fn(_, xb):
-        return lax.dot_general(xb, rhs, (((1,), (0,)), ((), ())), lax.Precision.HIGHEST, acc)
+    def get_scale_and_bias_and_sparsity(self, x, shared_axes, numerics_, context=None):
+        del context
+        absmax = jnp.max(jnp.abs(x), axis=shared_axes, keepdims=True)
+        scale = jnp.where(absmax > 0, absmax / numerics_.get_quant_bound(), 1.0)
+        return [scale.astype(self.dtype or x.dtype)], [], None
 
-    y = cpu_matmul.row_block_map(
-        block_fn, cpu_matmul.pad_rows(x2d, block_rows), block_rows, rhs.shape[1], out_dtype
+
+@aqt_utils.flax_slots_kw_only_dataclass
+class DividingQuantizer(aqt_quantizer.Quantizer):
+    """AQT's quantizer, dividing by the scale as :mod:`kernels_pallas.formats` does (stock AQT
+    multiplies by its reciprocal: equal only where XLA rewrites the division the same way)."""
+
+    def calculate_qvalue(self, x, qt: aqt_tensor.QTensor):
+        if qt.tiling_state is not None:
+            x = qt.tiling_state.apply(x)
+        (scale,) = qt.scale
+        qvalue, res = self.numerics.vjp_fwd(x / scale, self.context)
+        return qt.replace(qvalue=qvalue), jax.tree_util.Partial(self.numerics.vjp_bwd, res)
+
+
+@functools.cache
+def weight_quantizer(bits: int) -> DividingQuantizer:
+    """The AQT quantizer of ``bits``-bit weights: f32 scales, int8 container (int4 values are
+    packed by us, two per byte), no stochastic rounding."""
+    numerics = int_numerics.IntSymmetric(
+        bits=bits,
+        preserve_zero=True,
+        preserve_max_val=True,
+        clip=True,
+        clip_gradient=False,
+        round=True,
+        noise_fn=None,
+        dtype=jnp.int8,
     )
-    return y[: x2d.shape[0]].reshape(*lead, rhs.shape[1])
-
-
-def aqt_config(fmt: str):
-    """AQT config for ``fmt`` (per output channel, no stochastic rounding, unquantized backward)."""
-    check_format(fmt)
-    if fmt not in AQT_FORMATS:
-        raise ValueError(f"AQT path supports {AQT_FORMATS}, got {fmt!r}; bf16 needs no quantizer")
-    w_bits, a_bits = WEIGHT_BITS[fmt], ACT_BITS[fmt]
-    cfg = aqt_cfg.fully_quantized(
-        fwd_bits=w_bits, bwd_bits=None, use_fwd_quant=a_bits is not None, use_stochastic_rounding=False
+    quantizer = DividingQuantizer(
+        numerics=numerics,
+        calib_shared_axes=None,
+        scale_stop_grad=True,
+        scale_dtype=jnp.float32,
+        calibration=FormatsAbsMaxCalibration,
+        context=aqt_utils.Context(key=None, train_step=None),
     )
-    aqt_cfg.set_bits(cfg, a_bits, w_bits, None, None, None, None)
-    cfg.fwd.dot_general = invariant_dot_general
-    return cfg
+    quantizer.init_calibration()
+    return quantizer
 
 
-def aqt_dot_general(fmt: str, mode: QuantMode) -> aqt_flax.AqtDotGeneral:
-    """A flax ``dot_general`` for ``nn.Dense``: weights frozen (int values + scales) in CONVERT
-    mode and read back in SERVE mode; activations always quantized on the fly."""
-    return aqt_flax.AqtDotGeneral(
-        aqt_config(fmt),
-        prng_name=None,  # no stochastic rounding: no key needed
-        lhs_quant_mode=QuantMode.TRAIN,
-        rhs_quant_mode=mode,
-        use_legacy_freezer=False,
-        lhs_freeze_mode=aqt_flax.FreezerMode.NONE,
-        rhs_freeze_mode=aqt_flax.FreezerMode.CALIBRATION_AND_VALUE,
-    )
+def quantize_qtensor(w: jax.Array, bits: int, group_size: int) -> aqt_tensor.QTensor:
+    """AQT-quantize a [.., K, N] weight calibrated per tile of ``group_size`` rows of K: qvalue
+    [.., K // group_size, group_size, N] int8, scale [.., K // group_size, 1, N] f32."""
+    w = w.astype(jnp.float32)
+    k_axis = w.ndim - 2
+    tiling = generate_tiling_state(w, [AxisTiling(axis=k_axis, tile_size=group_size)])
+    qt, _ = weight_quantizer(bits).quant(w, calibration_axes=[k_axis], tiling_state=tiling)
+    return qt
 
 
-__all__ = ["AQT_FORMATS", "QuantMode", "aqt_config", "aqt_dot_general", "invariant_dot_general"]
+def to_quantized_weight(qt: aqt_tensor.QTensor, fmt: str, group_size: int) -> QuantizedWeight:
+    """Our kernels' layout of an AQT weight QTensor (tiles merged back, int4 packed)."""
+    (scale,) = qt.scale
+    q = qt.qvalue.reshape(qt.tiling_state.untiled_shape)
+    values = pack_int4(q, group_size) if WEIGHT_BITS[fmt] == 4 else q
+    return QuantizedWeight(values=values, scales=jnp.squeeze(scale, -2), fmt=fmt, group_size=group_size)
+
+
+def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedWeight:
+    """:func:`kernels_pallas.quantize` through AQT, bit for bit, for the quantized formats."""
+    g = resolve_group_size(fmt, w.shape[-2], group_size)
+    bits = WEIGHT_BITS[fmt]
+    if bits is None:
+        raise ValueError(f"AQT quantizes weights of the quantized formats, not {fmt!r}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"quantize expects floating-point weights, got {w.dtype}")
+    return to_quantized_weight(quantize_qtensor(w, bits, g), fmt, g)
+
+
+__all__ = [
+    "DividingQuantizer",
+    "FormatsAbsMaxCalibration",
+    "quantize",
+    "quantize_qtensor",
+    "to_quantized_weight",
+    "weight_quantizer",
+]

@@ -1,2 +1,2 @@
-"""The learning half of QaRL: advantages, policy-gradient objectives (TBPO, GRPO, GSPO, ...),
-the policy log-prob function and the training step."""
+"""The learning half of QaRL: the policy log-prob function (aligned / naive), advantages,
+policy-gradient objectives (TBPO, GRPO, GSPO, ...), rollout-to-batch packing and the train step."""

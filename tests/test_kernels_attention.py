@@ -1,0 +1,120 @@
+"""Invariant attention (CPU path): float64 reference, and a token's output bitwise the same in a
+packed full-sequence call and in decode over KV caches of other lengths and batch sizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention import attention, reference_attention, reference_attention_f64
+
+H, KV, D = 4, 2, 32
+
+
+def qkv(b: int, t: int, seed: int = 0, s: int | None = None):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    s = s or t
+    return (
+        jax.random.normal(ks[0], (b, t, H, D)),
+        jax.random.normal(ks[1], (b, s, KV, D)),
+        jax.random.normal(ks[2], (b, s, KV, D)),
+    )
+
+
+def packed_row(lens: list[int], t: int):
+    """positions / starts / segment ids of sequences packed back to back in one row of length t."""
+    pos, seg = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    o = 0
+    for i, n in enumerate(lens):
+        pos[o : o + n], seg[o : o + n] = np.arange(n), i + 1
+        o += n
+    starts = np.arange(t, dtype=np.int32) - pos
+    return (jnp.asarray(a[None]) for a in (pos, starts, seg))
+
+
+ATTN = jax.jit(attention, static_argnames=("block_kv",))
+
+
+def test_packed_full_matches_f64_reference():
+    q, k, v = qkv(1, 70)
+    pos, starts, seg = packed_row([7, 40, 20], 70)  # 3 padding tokens (segment 0) at the end
+    out = np.asarray(ATTN(q, k, v, pos, starts, seg, seg))
+    ref = reference_attention_f64(q, k, v, pos, starts, seg, seg)
+    np.testing.assert_allclose(out[:, :67], ref[:, :67], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out, np.asarray(reference_attention(q, k, v, pos, starts, seg, seg)), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("block_kv", [None, 16])
+def test_decode_over_cache_equals_packed_full_bitwise(block_kv):
+    """Sequence B (40 tokens) packed after a 7-token sequence, against B alone in slot 1 of a 3-slot
+    KV cache of length 96 (other slots hold other data), queried one token at a time and all at once."""
+    q, k, v = qkv(1, 70)
+    pos, starts, seg = packed_row([7, 40, 20], 70)
+    full = np.asarray(ATTN(q, k, v, pos, starts, seg, seg, block_kv=block_kv))[0, 7:47]
+    cq, ck, cv = qkv(3, 40, seed=1, s=96)
+    ck, cv = ck.at[1, :40].set(k[0, 7:47]), cv.at[1, :40].set(v[0, 7:47])
+    cq = cq.at[1].set(q[0, 7:47])
+    for t in (0, 1, 15, 16, 17, 39):
+        step_pos = jnp.asarray([[5], [t], [60]], jnp.int32)
+        out = np.asarray(ATTN(cq[:, t : t + 1], ck, cv, step_pos, block_kv=block_kv))
+        np.testing.assert_array_equal(out[1, 0], full[t])
+    prefill = np.asarray(ATTN(cq[1:2], ck[1:2, :64], cv[1:2, :64], jnp.arange(40)[None], block_kv=block_kv))
+    np.testing.assert_array_equal(prefill[0], full)
+
+
+def test_rows_invariant_to_batch_and_neighbours():
+    q, k, v = qkv(5, 33, seed=2)
+    pos = jnp.broadcast_to(jnp.arange(33), (5, 33))
+    full = np.asarray(ATTN(q, k, v, pos))
+    np.testing.assert_array_equal(np.asarray(ATTN(q[2:3], k[2:3], v[2:3], pos[2:3])), full[2:3])
+    np.testing.assert_array_equal(np.asarray(ATTN(q[:, 20:21], k, v, pos[:, 20:21])), full[:, 20:21])
+    perm = np.array([4, 0, 3, 1, 2])
+    np.testing.assert_array_equal(np.asarray(ATTN(q[perm], k[perm], v[perm], pos[perm])), full[perm])
+
+
+def test_masked_keys_contribute_nothing():
+    """Garbage (even huge values) in keys the query must not see leaves its bits unchanged."""
+    q, k, v = qkv(1, 40, seed=3)
+    pos = jnp.arange(40)[None]
+    base = np.asarray(ATTN(q[:, :20], k, v, pos[:, :20]))
+    k2, v2 = k.at[:, 20:].set(1e4), v.at[:, 20:].set(-1e4)
+    np.testing.assert_array_equal(np.asarray(ATTN(q[:, :20], k2, v2, pos[:, :20])), base)
+
+
+def test_gradients_match_reference():
+    q, k, v = qkv(2, 12, seed=4)
+    pos, starts, seg = packed_row([5, 6], 12)
+    pos, starts, seg = (jnp.broadcast_to(a, (2, 12)) for a in (pos, starts, seg))
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, pos, starts, seg, seg)))
+
+    for a, b in zip(
+        jax.grad(loss(attention), (0, 1, 2))(q, k, v),
+        jax.grad(loss(reference_attention), (0, 1, 2))(q, k, v),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_invariance_check_can_fail():
+    """Negative control: another key-block size is another summation order, and the bits show it."""
+    q, k, v = qkv(2, 64, seed=5)
+    pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
+    assert not np.array_equal(
+        np.asarray(ATTN(q, k, v, pos, block_kv=16)), np.asarray(ATTN(q, k, v, pos, block_kv=32))
+    )
+
+
+def test_errors():
+    q, k, v = qkv(1, 4)
+    with pytest.raises(ValueError, match="both"):
+        attention(q, k, v, jnp.zeros((1, 4), jnp.int32), None, jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="positions"):
+        attention(q, k, v, jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(ValueError, match="KV"):
+        attention(q, k[..., :16], v, jnp.zeros((1, 4), jnp.int32))

@@ -1,0 +1,146 @@
+"""The training step: aligned old log-probs, updates, the NaN guard, minibatches moving the policy,
+the sharded step equal to the single-device one, and TBPO raising a reward."""
+
+import jax
+import numpy as np
+import pytest
+
+from qarl_jax import quant, sharding
+from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.rl.advantages import group_advantages
+from qarl_jax.rl.batch import training_batch
+from qarl_jax.rl.objectives import ObjectiveConfig
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
+from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, rollout
+
+PROMPT, NEW = 4, 6
+
+
+def _policy(fmt="w4a16", **overrides):
+    config = preset("qwen3-tiny", num_hidden_layers=2, **overrides)
+    model = Qwen3ForCausalLM(config, quant.QuantSpec(fmt=fmt))
+    return model, init_params(model, jax.random.key(0))
+
+
+def _rollouts(model, params, n_prompts=4, n=4, seed=0):
+    """Sampled rollouts from the engine with frozen weights; reward = share of response tokens < 32
+    (a quarter of the vocabulary: about 0.25 for the random policy)."""
+    frozen = quant.quantize_params(params, model.quant)
+    engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
+    prompts = np.random.RandomState(seed).randint(0, 128, (n_prompts, PROMPT)).tolist()
+    sampling = SamplingParams(temperature=1.0)
+    out = rollout(engine, prompts, n=n, max_new_tokens=NEW, sampling=sampling, seed=seed, ignore_eos=True)
+    samples = [s for group in out for s in group]
+    rewards = np.asarray([np.mean(np.asarray(s.tokens) < 32) for s in samples]).reshape(n_prompts, n)
+    adv = np.asarray(group_advantages(rewards)).reshape(-1)
+    responses, logprobs = [s.tokens for s in samples], [s.logprobs for s in samples]
+    repeated = [p for p in prompts for _ in range(n)]
+    batch = training_batch(repeated, responses, logprobs, adv, length=PROMPT + NEW - 1)
+    return batch, float(rewards.mean())
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, params = _policy()
+    batch, _ = _rollouts(model, params)
+    return model, params, batch
+
+
+def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
+    model, params, batch = setup
+    trainer = Trainer(
+        model, ObjectiveConfig(), TrainConfig(assert_aligned=True), OptimizerConfig(learning_rate=1e-3)
+    )
+    state = trainer.init_state(params)
+    state, history = trainer.train_on_rollouts(state, batch)  # raises if old != rollout anywhere
+    (m,) = history
+    assert int(state.step) == 1 and float(m["skipped"]) == 0.0
+    assert float(m["clip_frac"]) == 0.0 and float(m["band_mask_frac"]) == 0.0 and float(m["ratio_max"]) == 1.0
+    assert float(m["is_weight_mean"]) == 1.0 and float(m["grad_norm"]) > 0
+    moved = jax.tree.map(lambda a, b: bool((np.asarray(a) != np.asarray(b)).any()), state.params, params)
+    assert any(jax.tree.leaves(moved))
+
+
+def test_nan_batch_is_skipped_without_touching_params(setup):
+    model, params, batch = setup
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
+    state = trainer.init_state(params)
+    bad = dict(
+        batch, advantages=np.where(np.arange(len(batch["advantages"])) == 3, np.nan, batch["advantages"])
+    )
+    state, (m,) = trainer.train_on_rollouts(state, bad)
+    assert float(m["skipped"]) == 1.0 and int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, state.params, params)
+
+
+def test_minibatches_move_the_policy_so_clip_and_band_act(setup):
+    model, params, batch = setup
+    trainer = Trainer(
+        model,
+        ObjectiveConfig(),
+        TrainConfig(num_minibatches=4, ppo_epochs=2),
+        OptimizerConfig(learning_rate=3e-3),
+    )
+    state, history = trainer.train_on_rollouts(
+        trainer.init_state(params), batch, rng=np.random.default_rng(0)
+    )
+    assert len(history) == 8 and int(state.step) == 8
+    assert float(history[0]["ratio_max"]) == 1.0  # the first update sees the old policy
+    assert max(float(m["clip_frac"]) + float(m["band_mask_frac"]) for m in history[1:]) > 0
+
+
+def test_micro_batches_accumulate_to_the_same_gradient(setup):
+    """Sequence-mean aggregation: the mean of two half-batch gradients is the full-batch gradient."""
+    model, params, batch = setup
+    metrics = []
+    for micro in (1, 2):
+        cfg = ObjectiveConfig(name="grpo", aggregation="seq_mean_token_mean")
+        trainer = Trainer(model, cfg, TrainConfig(micro_batches=micro), OptimizerConfig(learning_rate=1e-3))
+        metrics.append(trainer.train_on_rollouts(trainer.init_state(params), batch)[1][0])
+    for key in ("loss", "grad_norm", "update_ratio"):
+        np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "mesh_cfg", [sharding.MeshConfig(data=2, fsdp=4), sharding.MeshConfig(data=2, fsdp=2, tensor=2)]
+)
+def test_sharded_step_equals_single_device(setup, mesh_cfg):
+    model, params, batch = setup
+    results = []
+    for mesh in (None, sharding.make_mesh(mesh_cfg)):
+        trainer = Trainer(
+            model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3), mesh=mesh
+        )
+        p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
+        state, (m,) = trainer.train_on_rollouts(trainer.init_state(p), batch)
+        results.append((state.params, m))
+    # the gradient must agree closely; Adam's first step is about lr * sign(grad), so the few
+    # coordinates whose gradient is near zero may round either way: bound their share and size
+    np.testing.assert_allclose(
+        float(results[0][1]["grad_norm"]), float(results[1][1]["grad_norm"]), rtol=1e-5
+    )
+    pairs = zip(jax.tree.leaves(results[0][0]), jax.tree.leaves(results[1][0]), strict=True)
+    diff = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel() for a, b in pairs])
+    assert np.mean(diff > 1e-6) < 1e-3 and diff.max() <= 2e-3, (np.mean(diff > 1e-6), diff.max())
+
+
+def test_tbpo_steps_raise_the_reward():
+    model, params = _policy(fmt="w8a8")
+    trainer = Trainer(
+        model, ObjectiveConfig(), TrainConfig(num_minibatches=2), OptimizerConfig(learning_rate=1e-2)
+    )
+    state = trainer.init_state(params)
+    rewards = []
+    for step in range(6):
+        batch, reward = _rollouts(model, state.params, seed=step)
+        rewards.append(reward)
+        state, _ = trainer.train_on_rollouts(state, batch)
+    final = np.mean([_rollouts(model, state.params, seed=100 + s)[1] for s in range(2)])
+    assert final > rewards[0] + 0.1, (rewards, final)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="optimizer.name"):
+        OptimizerConfig(name="sgd")
+    with pytest.raises(ValueError, match="train.num_minibatches"):
+        TrainConfig(num_minibatches=0)

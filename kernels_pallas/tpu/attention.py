@@ -1,0 +1,149 @@
+"""Invariant attention for TPUs (Pallas Mosaic); the contract is :mod:`kernels_pallas.attention`'s.
+Lowering- and interpreter-checked only (no TPU has run it).
+
+One program per (sequence row, KV head, query token): the token's G query heads walk its own key
+blocks ``starts + [j * block_kv, (j + 1) * block_kv)`` for ``j = 0 .. position // block_kv`` with
+the online softmax, ascending, exactly as the CPU and GPU paths do. Nothing in the program depends
+on the batch, on T or on the cache length, so a token gets the same bits in a packed training row
+and in a decode step.
+
+Mosaic specifics. Tiles are (8, 128): q's G heads are padded to a multiple of 8 sublanes and the
+head size to a multiple of 128 lanes (zeros: they add exact zeros to the dots). A key block starts
+at an arbitrary key index (the segment start), which Mosaic cannot slice directly; the kernel loads
+the aligned window around it and rotates it into place (``pltpu.roll``, a dynamic shift), for K and
+V along sublanes and for the key segment ids, kept as one lane row per sequence, along lanes. The
+per-token position, start and segment id are scalar-prefetched into SMEM. K and V rows for one
+(row, KV head) stay in VMEM while T advances (their block index does not change), which bounds the
+cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import block_sizes
+from kernels_pallas.attention import MASK
+from kernels_pallas.tpu import PARALLEL, compiler_params, interpret_params
+
+_SUBLANES, _LANES = 8, 128
+_ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _shift(r: jax.Array, size: int) -> jax.Array:
+    """The rotation in [0, size) that brings element ``r`` to 0 (offsets are never negative, so
+    truncating division and no sign handling: Mosaic lowers neither ``//`` nor ``%`` on signed ints
+    without a target-specific rule)."""
+    return jnp.where(r == 0, 0, size - r)
+
+
+def _window(ref, off: jax.Array, rows: int) -> jax.Array:
+    """``ref[off : off + rows]`` (rows of an f32 view) for an unaligned ``off``: an aligned load,
+    then a dynamic sublane rotation."""
+    base = pl.multiple_of(lax.div(off, _ALIGN) * _ALIGN, _ALIGN)
+    w = rows + _ALIGN
+    x = ref[pl.ds(base, w), :].astype(jnp.float32)
+    return pltpu.roll(x, _shift(off - base, w), 0)[:rows]
+
+
+def _lane_window(ref, off: jax.Array, width: int, lanes: int) -> jax.Array:
+    """``ref[:, off : off + width]`` of a one-row int32 ref, by an aligned load and a lane rotation."""
+    base = pl.multiple_of(lax.div(off, _LANES) * _LANES, _LANES)
+    x = ref[:, pl.ds(base, lanes)]
+    return pltpu.roll(x, _shift(off - base, lanes), 1)[:, :width]
+
+
+def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, block_kv, scale, s, t):
+    i = pl.program_id(0) * t + pl.program_id(2)
+    pos, start, seg = pos_ref[i], st_ref[i], seg_ref[i]
+    q = q_ref[...].astype(jnp.float32)
+    gp = q.shape[0]
+    lanes = _LANES + block_sizes.round_up(block_kv, _LANES)
+
+    def step(j, carry):
+        m, denom, acc = carry
+        off = start + j * block_kv
+        kb = _window(k_ref, off, block_kv)
+        vb = _window(v_ref, off, block_kv)
+        kseg = _lane_window(kseg_ref, off, block_kv, lanes)  # [1, block_kv]
+        rel = j * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        valid = (rel <= pos) & (start + rel < s) & (kseg == seg)
+        sc = lax.dot_general(
+            q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_HIGHEST
+        )
+        sc = jnp.where(valid, sc * scale, MASK)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(sc - m_new), 0.0)
+        pc = p.astype(v_ref.dtype).astype(jnp.float32)  # the probabilities in V's dtype, as on CPU/GPU
+        pv = jnp.dot(pc, vb, preferred_element_type=jnp.float32, precision=_HIGHEST)
+        return m_new, denom * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + pv
+
+    init = (
+        jnp.full((gp, 1), MASK, jnp.float32),
+        jnp.zeros((gp, 1), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+    )
+    _, denom, acc = lax.fori_loop(0, lax.div(pos, block_kv) + 1, step, init)
+    o_ref[...] = (acc / jnp.where(denom == 0, 1.0, denom)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_kv", "interpret"))
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    starts: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    *,
+    block_kv: int,
+    interpret: bool = False,
+) -> jax.Array:
+    """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`)."""
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    if block_kv < 1 or block_kv % _SUBLANES:
+        raise ValueError(f"the TPU attention kernel needs block_kv a multiple of 8, got {block_kv}")
+    gp, dp = block_sizes.round_up(g, _SUBLANES), block_sizes.round_up(d, _LANES)
+    # room for the last window of any token whose own key is in range (starts + positions < S)
+    s_pad = block_sizes.round_up(s, _LANES) + _LANES + block_sizes.round_up(block_kv, _LANES)
+    qg = block_sizes.pad_axis(block_sizes.pad_axis(q.reshape(b, t, kvh, g, d), 3, gp), 4, dp)
+
+    def keys(a):  # [B, S, KV, D] -> [B, KV, S_pad, D_pad]
+        return block_sizes.pad_axis(block_sizes.pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)
+
+    kseg = jnp.zeros((b, s), jnp.int32) if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+    kseg = jnp.pad(kseg, ((0, 0), (0, s_pad - s)), constant_values=-1)[:, None, :]
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    st = jnp.zeros((b, t), jnp.int32) if starts is None else starts.astype(jnp.int32)
+    scalars = (positions.astype(jnp.int32).reshape(-1), st.reshape(-1), seg.reshape(-1))
+    kv_spec = pl.BlockSpec((None, None, s_pad, dp), lambda i, n, j, *_: (i, n, 0, 0))
+    tok_spec = pl.BlockSpec((None, None, None, gp, dp), lambda i, n, j, *_: (i, j, n, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5, s=s, t=t),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, kvh, t),
+            in_specs=[
+                tok_spec,
+                kv_spec,
+                kv_spec,
+                pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0)),
+            ],
+            out_specs=tok_spec,
+        ),
+        interpret=interpret_params() if interpret else False,
+        compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL),
+        name="qarl_attention_tpu",
+    )(*scalars, qg, keys(k), keys(v), kseg)
+    return out[:, :, :, :g, :d].reshape(b, t, h, d)

@@ -1,10 +1,13 @@
 """The training step: aligned old log-probs, updates, the NaN guard, minibatches moving the policy,
 the sharded step equal to the single-device one, and TBPO raising a reward."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
+from kernels_pallas import cpu_matmul, cpu_rows, rowwise
 from qarl_jax import quant, sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.rl.advantages import group_advantages
@@ -52,9 +55,18 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
         model, ObjectiveConfig(), TrainConfig(assert_aligned=True), OptimizerConfig(learning_rate=1e-3)
     )
     state = trainer.init_state(params)
-    state, history = trainer.train_on_rollouts(state, batch)  # raises if old != rollout anywhere
+    truncated = np.ones(len(batch["advantages"]), np.float32)  # EOS ignored: every response hits NEW
+    state, history = trainer.train_on_rollouts(
+        state, dict(batch, truncated=truncated)
+    )  # raises if old != rollout
     (m,) = history
     assert int(state.step) == 1 and float(m["skipped"]) == 0.0
+    # the rollout batch's metrics: aligned, full-length responses, a near-uniform random policy
+    assert float(m["mismatch_frac_bitwise_equal"]) == 1.0 and float(m["mismatch_max_abs_diff"]) == 0.0
+    assert float(m["mismatch_kl_k3"]) == 0.0 and float(m["truncation_rate"]) == 1.0
+    assert float(m["response_len_mean"]) == float(m["response_len_max"]) == NEW
+    assert 0.9 * np.log(128) < float(m["policy_entropy"]) <= np.log(128)
+    assert float(m["low_prob_token_frac"]) == 0.0 and float(m["repetition_frac"]) == 0.0
     assert float(m["clip_frac"]) == 0.0 and float(m["band_mask_frac"]) == 0.0 and float(m["ratio_max"]) == 1.0
     assert float(m["is_weight_mean"]) == 1.0 and float(m["grad_norm"]) > 0
     moved = jax.tree.map(lambda a, b: bool((np.asarray(a) != np.asarray(b)).any()), state.params, params)
@@ -71,6 +83,30 @@ def test_nan_batch_is_skipped_without_touching_params(setup):
     state, (m,) = trainer.train_on_rollouts(state, bad)
     assert float(m["skipped"]) == 1.0 and int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
+
+
+def test_error_token_grad_share(setup):
+    """GRPO without a mismatch correction never reads rollout_logp, so rewriting it flags sequences
+    as low-probability without changing the loss: no flag -> share 0, every sequence -> exactly 1,
+    half of them -> strictly between, while loss and gradient stay the same."""
+    model, params, batch = setup
+    trainer = Trainer(
+        model,
+        ObjectiveConfig(name="grpo"),
+        TrainConfig(error_token_grad_share=True),
+        OptimizerConfig(learning_rate=1e-3),
+    )
+    old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
+    low = np.where(batch["mask"] > 0, np.log(1e-4), 0.0).astype(np.float32)
+    half = np.arange(len(low))[:, None] % 2 == 0
+    shares, norms = [], []
+    for rollout_logp in (old, low, np.where(half, low, old)):
+        mb = trainer.shard_batch(dict(batch, rollout_logp=rollout_logp, old_logp=old))
+        _, m = trainer.update(trainer.init_state(params), mb)
+        shares.append(float(m["error_grad_share"]))
+        norms.append((float(m["loss"]), float(m["grad_norm"])))
+    assert shares[0] == 0.0 and shares[1] == 1.0 and 0.1 < shares[2] < 0.95, shares
+    assert norms[0] == norms[1] == norms[2]
 
 
 def test_minibatches_move_the_policy_so_clip_and_band_act(setup):
@@ -101,19 +137,67 @@ def test_micro_batches_accumulate_to_the_same_gradient(setup):
         np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
 
 
+KERNEL_LOOP = re.compile(r"= \(s32\[\], (f32\[[\d,]+\])[^\n]*? while\(.*?op_name=\"([^\"]+)\"")
+
+
+def _batch_ways(mesh) -> int:
+    return int(np.prod([mesh.shape[a] for a in dict(sharding.DEFAULT_RULES)["batch"]]))
+
+
+def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> None:
+    """Every kernel's row-block loop in the compiled (per-device) program sits under shard_map, and
+    the loop carries of the RMSNorms, the log-softmax and the projections are blocks of the *local*
+    rows (sequences per device x length), per the kernels' own block rules."""
+    loops = KERNEL_LOOP.findall(hlo)
+    kernels = [(shape, name) for shape, name in loops if re.search(r"_cpu_|jit\(matmul\)", name)]
+    assert len(kernels) > 20 and all("shard_map/" in name for _, name in kernels), kernels
+    rows = local_seqs * batch["tokens"].shape[1]
+    h, blocks = config.hidden_size, lambda r, b: -(-r // b)
+    norm_rows = cpu_rows.pow2_rows(h)
+    lse_rows = cpu_rows.pow2_rows(rowwise.default_block_v(config.vocab_size))
+    mlp_rows = cpu_matmul.default_block_rows(h, config.intermediate_size)
+    d, heads = config.head_dim, rows * config.num_attention_heads  # q_norm: one row per head
+    head_rows = cpu_rows.pow2_rows(d)
+    expected = {
+        "input_layernorm/": f"f32[{blocks(rows, norm_rows) + 1},{norm_rows},{h}]",
+        "q_norm/": f"f32[{blocks(heads, head_rows) + 1},{head_rows},{d}]",
+        "_cpu_logsumexp": f"f32[{blocks(rows, lse_rows) + 1},{lse_rows}]",
+        "up_proj/": f"f32[{blocks(rows, mlp_rows)},{mlp_rows},{config.intermediate_size}]",
+    }
+    for key, shape in expected.items():
+        got = {s for s, name in kernels if key in name}
+        assert got == {shape}, (key, got, shape)
+
+
 @pytest.mark.parametrize(
     "mesh_cfg", [sharding.MeshConfig(data=2, fsdp=4), sharding.MeshConfig(data=2, fsdp=2, tensor=2)]
 )
 def test_sharded_step_equals_single_device(setup, mesh_cfg):
+    """Equal to the single-device step, the old log-probs bitwise (the kernels run per device on
+    local rows, each row's arithmetic independent of the others); the compiled sharded update (the
+    executable that then runs) has its kernel loops inside shard_map on the local batch rows."""
     model, params, batch = setup
-    results = []
-    for mesh in (None, sharding.make_mesh(mesh_cfg)):
-        trainer = Trainer(
-            model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3), mesh=mesh
-        )
-        p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
-        state, (m,) = trainer.train_on_rollouts(trainer.init_state(p), batch)
-        results.append((state.params, m))
+    single = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
+    state, (m,) = single.train_on_rollouts(single.init_state(params), batch)
+    results = [(state.params, m)]
+    mesh = sharding.make_mesh(mesh_cfg)
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3), mesh=mesh)
+    p = jax.device_put(params, sharding.param_shardings(model, mesh))
+    old, rollout_metrics = trainer.old_logprobs_and_metrics(p, trainer.shard_batch(batch))
+    np.testing.assert_array_equal(old, single.old_logprobs(params, single.shard_batch(batch)))
+    assert float(rollout_metrics["mismatch_frac_bitwise_equal"]) == 1.0
+    # a mean over sequences on several devices sums in another order: close, not bitwise
+    np.testing.assert_allclose(
+        float(rollout_metrics["policy_entropy"]), float(m["policy_entropy"]), rtol=1e-6
+    )
+    mb = trainer.shard_batch(dict(batch, old_logp=np.asarray(old)))
+    with trainer._context():
+        update = trainer._update.lower(trainer.init_state(p), mb).compile()
+        state, m = update(trainer.init_state(p), mb)
+    results.append((state.params, m))
+    _assert_kernels_on_local_rows(
+        update.as_text(), model.config, len(batch["advantages"]) // _batch_ways(mesh), batch
+    )
     # the gradient must agree closely; Adam's first step is about lr * sign(grad), so the few
     # coordinates whose gradient is near zero may round either way: bound their share and size
     np.testing.assert_allclose(

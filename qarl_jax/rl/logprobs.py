@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from qarl_jax.models import Qwen3ForCausalLM
-from qarl_jax.models.ops import token_logprobs
+from qarl_jax.models.ops import log_softmax, token_logprobs
 
 
 def training_model(model: Qwen3ForCausalLM, *, remat: bool = False) -> Qwen3ForCausalLM:
@@ -45,6 +46,27 @@ def policy_logprobs(
     sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass."""
     logits = training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
     return token_logprobs(logits, targets, temperature)
+
+
+def policy_logprobs_and_entropy(
+    model: Qwen3ForCausalLM,
+    params,
+    tokens: jax.Array,
+    positions: jax.Array | None,
+    segment_ids: jax.Array | None,
+    targets: jax.Array,
+    temperature: float = 1.0,
+    *,
+    remat: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`policy_logprobs`, entropy of the policy at ``temperature``) [B, T] f32 from one forward.
+    The log-probs are bitwise those of :func:`policy_logprobs` (same kernel on the same logits); the
+    entropy -sum p log p runs the row-wise log-softmax kernel over the vocabulary, so it costs one
+    more pass over the logits, not a second forward."""
+    logits = training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
+    logq = log_softmax(logits, temperature)
+    entropy = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
+    return token_logprobs(logits, targets, temperature), entropy
 
 
 Batch = Mapping[str, jax.Array]

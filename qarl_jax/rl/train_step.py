@@ -5,6 +5,16 @@ old-policy log-probs (in aligned mode bitwise the rollout's), then split into ``
 optimizer updates for ``ppo_epochs`` epochs, each accumulating gradients over ``micro_batches``.
 The master weights stay float; the forward is the one ``qarl_jax.rl.logprobs`` defines for the
 model's spec (aligned: quantized kernels with a straight-through backward; naive: full precision).
+
+Metrics, one flat dict per update, all computed on device. Per update: the objective's
+(``loss``, ``policy_loss``, ``clip_frac``, ``band_mask_frac``, ``ratio_*``, ``is_weight_*``,
+``correction_frac``, ``entropy`` when ``entropy_coef`` is set), ``grad_norm``, ``update_ratio``
+(|update| / |weights|), ``skipped`` and, with ``error_token_grad_share``, ``error_grad_share``.
+Per rollout batch (from the old-log-prob forward, repeated in each of its updates'
+dicts): ``policy_entropy``, ``response_len_mean``/``_max``, ``truncation_rate`` (when the batch
+holds ``truncated``), the alignment statistics ``mismatch_*`` (old vs rollout log-probs) and the
+error-token fractions ``repetition_frac``, ``low_prob_token_frac``, ``error_seq_frac``
+(:mod:`qarl_jax.rl.metrics` defines the rules).
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
-from qarl_jax.rl.logprobs import logprob_loss, policy_logprobs
+from qarl_jax.rl import metrics as rl_metrics
+from qarl_jax.rl.logprobs import policy_logprobs, policy_logprobs_and_entropy
 from qarl_jax.rl.objectives import ObjectiveConfig, compute_loss
 
 Batch = Mapping[str, jax.Array]
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask", "rollout_logp", "advantages")
+OPTIONAL_KEYS = ("truncated",)  # [N], 1 where the rollout stopped at the length limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +65,34 @@ class TrainConfig:
     temperature: float = 1.0  # the rollout's sampling temperature, applied to the logits in the loss
     remat: bool = False
     assert_aligned: bool = False  # debug: old log-probs must equal the rollout's bitwise (aligned mode)
+    # error tokens (rules in qarl_jax.rl.metrics)
+    low_prob_threshold: float = 1e-3  # a sampled token with rollout probability below this
+    repeat_max_ngram: int = 4  # a response ending in an n-gram loop, n <= this, ...
+    repeat_min_repeats: int = 3  # ... repeated at least this many times ...
+    repeat_min_tokens: int = 12  # ... over at least this many tokens
+    error_token_grad_share: bool = False  # one more backward per micro-batch for error_grad_share
 
     def __post_init__(self):
-        for name in ("num_minibatches", "ppo_epochs", "micro_batches"):
+        counts = ("num_minibatches", "ppo_epochs", "micro_batches", "repeat_max_ngram", "repeat_min_repeats")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0:
             raise ValueError(f"train.temperature must be positive, got {self.temperature}")
+        if not 0 < self.low_prob_threshold < 1:
+            raise ValueError(f"train.low_prob_threshold must be in (0, 1), got {self.low_prob_threshold}")
+
+    def error_flags(self, batch: Batch) -> dict[str, jax.Array]:
+        """:func:`qarl_jax.rl.metrics.error_sequences` with this config's rules."""
+        return rl_metrics.error_sequences(
+            batch["targets"],
+            batch["mask"],
+            batch["rollout_logp"],
+            self.low_prob_threshold,
+            self.repeat_max_ngram,
+            self.repeat_min_repeats,
+            self.repeat_min_tokens,
+        )
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
@@ -79,10 +112,6 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     step: jax.Array
-
-
-def _tree_norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def _split(batch: Batch, parts: int) -> Batch:
@@ -107,15 +136,39 @@ class Trainer:
     ):
         self.model, self.objective, self.train, self.mesh, self.rules = model, objective, train, mesh, rules
         self.tx = make_optimizer(optimizer)
-        scored = logprob_loss(model, self._objective_loss, train.temperature, remat=train.remat)
-        self._grad_fn = jax.value_and_grad(lambda p, b: scored(p, b)[0], has_aux=True)
+        # the error sequences' share of the gradient: their policy-gradient terms alone
+        self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
         self._old_logprobs = jax.jit(self._old_logprobs_impl)
         self._update = jax.jit(self._update_impl, donate_argnums=(0,))
 
-    def _objective_loss(self, logp: jax.Array, batch: Batch):
-        return compute_loss(
-            logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["mask"], self.objective
-        )
+    def _forward(self, params, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+        """(log-probs, entropy or None): the entropy only when the loss uses it."""
+        args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["targets"])
+        t, remat = self.train.temperature, self.train.remat
+        if self.objective.entropy_coef:
+            return policy_logprobs_and_entropy(self.model, params, *args, t, remat=remat)
+        return policy_logprobs(self.model, params, *args, t, remat=remat), None
+
+    @staticmethod
+    def _loss(out, batch: Batch, objective: ObjectiveConfig):
+        logp, entropy = out
+        old, rollout, adv, mask = batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["mask"]
+        return compute_loss(logp, old, rollout, adv, mask, objective, entropy=entropy)
+
+    def _grads(self, params, batch: Batch):
+        """Loss, metrics and gradients of one micro-batch; with ``error_token_grad_share`` also the
+        gradient of the error sequences' policy-gradient terms alone (their advantages kept, the
+        others zeroed: every objective's term is 0 with its gradient at A = 0, and the
+        normalisers do not change), pulled back through the same forward: one more backward."""
+        out, pullback = jax.vjp(lambda p: self._forward(p, batch), params)
+        (loss, metrics), d_out = jax.value_and_grad(self._loss, has_aux=True)(out, batch, self.objective)
+        (grads,) = pullback(d_out)
+        if not self.train.error_token_grad_share:
+            return loss, metrics, grads, None
+        error = self.train.error_flags(batch)["error"].astype(jnp.float32)
+        flagged = dict(batch, advantages=batch["advantages"] * error)
+        d_flagged, _ = jax.grad(self._loss, has_aux=True)(out, flagged, self._pg_objective)
+        return loss, metrics, grads, pullback(d_flagged)[0]
 
     def _context(self):
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
@@ -136,18 +189,26 @@ class Trainer:
         return {k: jax.device_put(v, NamedSharding(self.mesh, spec(v))) for k, v in batch.items()}
 
     def _old_logprobs_impl(self, params, batch):
-        logp = policy_logprobs(
-            self.model,
-            params,
-            batch["tokens"],
-            batch["positions"],
-            batch["segment_ids"],
-            batch["targets"],
-            self.train.temperature,
+        """Old log-probs and the rollout batch's metrics, from one forward."""
+        args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["targets"])
+        logp, entropy = policy_logprobs_and_entropy(self.model, params, *args, self.train.temperature)
+        mask = batch["mask"]
+        old = jax.lax.stop_gradient(logp) * mask
+        stats = dict(
+            policy_entropy=rl_metrics.entropy_mean(entropy, mask),
+            **rl_metrics.response_length_stats(mask, batch.get("truncated")),
         )
-        return jax.lax.stop_gradient(logp) * batch["mask"]
+        if "rollout_logp" in batch:  # scoring alone (old_logprobs) may go without it
+            stats.update(rl_metrics.mismatch_stats(old, batch["rollout_logp"], mask))
+            stats.update(rl_metrics.error_token_stats(self.train.error_flags(batch), mask))
+        return old, stats
 
     def old_logprobs(self, params, batch: Batch) -> jax.Array:
+        """Old-policy log-probs [N, T] (0 outside the mask)."""
+        return self.old_logprobs_and_metrics(params, batch)[0]
+
+    def old_logprobs_and_metrics(self, params, batch: Batch) -> tuple[jax.Array, dict]:
+        """Old-policy log-probs [N, T] and the per-rollout-batch metrics (see the module doc)."""
         with self._context():
             return self._old_logprobs(params, batch)
 
@@ -155,25 +216,16 @@ class Trainer:
         micro = _split(batch, self.train.micro_batches)
 
         def accumulate(carry, mb):
-            (loss, metrics), grads = self._grad_fn(state.params, mb)
-            acc_grads, acc_loss, acc_metrics = carry
-            acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
-            acc_metrics = jax.tree.map(jnp.add, acc_metrics, metrics)
-            return (acc_grads, acc_loss + loss, acc_metrics), None
+            return jax.tree.map(jnp.add, carry, self._grads(state.params, mb)), None
 
         first = jax.tree.map(lambda v: v[0], micro)
-        (_, metric_shape), _ = jax.eval_shape(self._grad_fn, state.params, first)
-        zeros = (
-            jax.tree.map(jnp.zeros_like, state.params),
-            jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shape),
+        zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(self._grads, state.params, first)
         )
-        (grads, loss, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
-        k = self.train.micro_batches
-        grads = jax.tree.map(lambda g: g / k, grads)
-        loss, metrics = loss / k, jax.tree.map(lambda m: m / k, metrics)
+        total, _ = jax.lax.scan(accumulate, zeros, micro)
+        loss, metrics, grads, flagged_grads = jax.tree.map(lambda x: x / self.train.micro_batches, total)
 
-        grad_norm = _tree_norm(grads)
+        grad_norm, weight_norm = rl_metrics.tree_norm(grads), rl_metrics.tree_norm(state.params)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -187,9 +239,11 @@ class Trainer:
             metrics,
             loss=loss,
             grad_norm=grad_norm,
-            update_ratio=_tree_norm(updates) / jnp.maximum(_tree_norm(state.params), 1e-12),
+            update_ratio=rl_metrics.tree_norm(updates) / jnp.maximum(weight_norm, 1e-12),
             skipped=1.0 - finite.astype(jnp.float32),
         )
+        if flagged_grads is not None:
+            metrics["error_grad_share"] = rl_metrics.tree_norm(flagged_grads) / jnp.maximum(grad_norm, 1e-30)
         return new_state, metrics
 
     def update(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -199,11 +253,13 @@ class Trainer:
 
     def train_on_rollouts(self, state: TrainState, batch: Batch, rng: np.random.Generator | None = None):
         """Old log-probs once, then ppo_epochs x num_minibatches updates (minibatches reshuffled per
-        epoch when ``rng`` is given). Returns the new state and the list of per-update metrics."""
+        epoch when ``rng`` is given). Returns the new state and the list of per-update metrics (each
+        with the rollout batch's metrics too). ``batch`` may hold OPTIONAL_KEYS beside BATCH_KEYS."""
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise ValueError(f"rollout batch lacks {missing}; it needs {BATCH_KEYS}")
-        batch = dict(batch, old_logp=self.old_logprobs(state.params, self.shard_batch(batch)))
+        old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, self.shard_batch(batch))
+        batch = dict(batch, old_logp=old_logp)
         if self.train.assert_aligned:
             mask = np.asarray(batch["mask"]) > 0
             old, rollout = np.asarray(batch["old_logp"])[mask], np.asarray(batch["rollout_logp"])[mask]
@@ -223,5 +279,5 @@ class Trainer:
                 idx = order[i * size : (i + 1) * size]
                 mb = self.shard_batch({k: np.asarray(v)[idx] for k, v in batch.items()})
                 state, metrics = self.update(state, mb)
-                history.append(metrics)
+                history.append({**rollout_metrics, **metrics})
         return state, history

@@ -14,8 +14,12 @@ from typing import Any
 
 import yaml
 
+from qarl_jax.data import DataConfig, SyntheticConfig
 from qarl_jax.models.config import PRESETS
 from qarl_jax.quant import QuantSpec
+from qarl_jax.rewards import GRADERS
+from qarl_jax.rl.objectives import ObjectiveConfig
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig
 from qarl_jax.sharding import MeshConfig
 
 
@@ -27,38 +31,132 @@ class ConfigError(ValueError):
 class ModelConfig:
     preset: str = "qwen3-tiny"  # a name from qarl_jax.models.PRESETS, used when `path` is None
     path: str | None = None  # a local Hugging Face directory (config.json + safetensors)
+    num_hidden_layers: int | None = None  # overrides the preset's depth (tests use shallow models)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
 
     def __post_init__(self):
         if self.path is None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; available: {sorted(PRESETS)}")
+        if self.num_hidden_layers is not None and (self.path is not None or self.num_hidden_layers < 1):
+            raise ValueError("num_hidden_layers overrides a preset: >= 1, and only without `path`")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """The pre-training-loop job: greedy rollout over a KV cache, then the training forward."""
-
-    batch: int = 8
-    prompt_len: int = 16
-    new_tokens: int = 48
+class RewardsConfig:
+    kind: str = "synthetic"  # a grader from qarl_jax.rewards.GRADERS
+    num_workers: int = 2  # grading processes (kinds graded in-process never start them)
+    time_limit_s: float = 5.0  # per sample; a grader past it is killed and the sample scores 0
 
     def __post_init__(self):
-        for name in ("batch", "prompt_len", "new_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kind not in GRADERS:
+            raise ValueError(f"kind {self.kind!r} is not one of {sorted(GRADERS)}")
+        if self.num_workers < 1 or self.time_limit_s <= 0:
+            raise ValueError("num_workers must be >= 1 and time_limit_s > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of the G completions per prompt (a GRPO group) through the rollout engine."""
+
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # must equal train.temperature (the loss scores the same distribution)
+    advantage: str = "grpo"  # grpo | dr_grpo (see qarl_jax.rl.advantages)
+    slots: int = 64  # engine decode slots
+    max_len: int = 64  # prompt + response tokens per slot; also the training batch length
+
+    def __post_init__(self):
+        for name in ("samples_per_prompt", "max_new_tokens", "slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_len <= self.max_new_tokens:
+            raise ValueError(f"max_len ({self.max_len}) must exceed max_new_tokens ({self.max_new_tokens})")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.advantage not in ("grpo", "dr_grpo"):
+            raise ValueError(f"advantage must be 'grpo' or 'dr_grpo', got {self.advantage!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Length, cadence and where the run directory (metrics, checkpoints, config) lives."""
+
+    steps: int = 120
+    output_dir: str = "runs/default"
+    log_every: int = 1  # progress-bar refresh; every step is written to metrics.jsonl
+    eval_every: int = 40  # 0: only before the first and after the last step
+    eval_prompts: int = 64  # held-out prompts (the data source under seed data.seed + 1), greedy
+    checkpoint_every: int = 20  # 0: only at the end
+    keep: int = 2  # checkpoints kept
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.steps < 1 or self.log_every < 1 or self.eval_prompts < 1 or self.keep < 1:
+            raise ValueError("steps, log_every, eval_prompts and keep must be >= 1")
+        if self.eval_every < 0 or self.checkpoint_every < 0:
+            raise ValueError("eval_every and checkpoint_every must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignmentConfig:
+    """``python -m qarl_jax.tools.check_alignment``: the random prompts it rolls out (with the
+    rollout section's samples, slots, temperature and lengths) and the training batches it
+    re-scores them in (on the configured mesh)."""
+
+    prompts: int = 16
+    min_prompt_len: int = 4
+    max_prompt_len: int = 32  # at most rollout.max_len - rollout.max_new_tokens
+    train_rows: int = 8  # rows per training batch (the rollout batches rollout.slots)
+    packing: bool = True  # several sequences per row; False: one per row, padded (the trainer's batch)
+    rollout_tensor: int | None = None  # the engine's tensor degree (data takes the rest); None: mesh's
+
+    def __post_init__(self):
+        for name in ("prompts", "min_prompt_len", "train_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_len < self.min_prompt_len:
+            raise ValueError(
+                f"max_prompt_len ({self.max_prompt_len}) < min_prompt_len ({self.min_prompt_len})"
+            )
+        if self.rollout_tensor is not None and self.rollout_tensor < 1:
+            raise ValueError(f"rollout_tensor must be >= 1, got {self.rollout_tensor}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
-    model: ModelConfig = ModelConfig()
+    # the shipped SFT'd starting policy (python -m qarl_jax.sft --config configs/sft_arith.yaml)
+    model: ModelConfig = ModelConfig(path="package:assets/policy")
     quant: QuantSpec = QuantSpec(fmt="w4a16")  # the format of rollout and training together
     mesh: MeshConfig = MeshConfig()
-    demo: DemoConfig = DemoConfig()
+    data: DataConfig = DataConfig(batch_size=8, max_prompt_tokens=32, synthetic=SyntheticConfig(digits=1))
+    rewards: RewardsConfig = RewardsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-5)  # 3e-4 collapses the SFT policy
+    train: TrainConfig = TrainConfig()
+    run: RunConfig = RunConfig()
+    alignment: AlignmentConfig = AlignmentConfig()
+
+    def __post_init__(self):
+        if self.data.samples_per_prompt != 1:
+            raise ValueError(
+                "data.samples_per_prompt must be 1: the group size is rollout.samples_per_prompt"
+            )
+        if self.data.max_prompt_tokens + self.rollout.max_new_tokens > self.rollout.max_len:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) + rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}) exceed rollout.max_len ({self.rollout.max_len})"
+            )
+        if self.train.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
+                f"({self.rollout.temperature}): the loss scores the distribution the rollout sampled"
+            )
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -93,6 +191,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is type(None):
         if value is not None:
             raise ConfigError(f"{key}: expected null, got {value!r}")

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from qarl_jax.config import Config, ConfigError, load_config, to_dict
+from qarl_jax.sft import SftConfig
 
 CONFIGS = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -17,19 +18,23 @@ def test_defaults_round_trip():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
-    assert isinstance(load_config(path), Config)
+    cls = SftConfig if path.name.startswith("sft_") else Config
+    assert isinstance(load_config(path, cls=cls), cls)
 
 
 def test_file_then_overrides(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("quant:\n  fmt: w8a8\ndemo:\n  batch: 3\n")
-    cfg = load_config(f, ["demo.batch=5", "mesh.tensor=2", "quant.quantized=[attention]"])
-    assert (cfg.quant.fmt, cfg.demo.batch, cfg.mesh.tensor, cfg.quant.quantized) == (
+    f.write_text("quant:\n  fmt: w8a8\nrun:\n  steps: 3\ndata:\n  synthetic:\n    digits: 3\n")
+    cfg = load_config(
+        f, ["run.steps=5", "mesh.tensor=2", "quant.quantized=[attention]", "objective.name=gspo"]
+    )
+    assert (cfg.quant.fmt, cfg.run.steps, cfg.mesh.tensor, cfg.quant.quantized) == (
         "w8a8",
         5,
         2,
         ("attention",),
     )
+    assert (cfg.data.synthetic.digits, cfg.objective.name, cfg.optimizer.name) == (3, "gspo", "adamw")
 
 
 @pytest.mark.parametrize(
@@ -37,18 +42,27 @@ def test_file_then_overrides(tmp_path):
     [
         (
             ["quant.fmtt=w8a8"],
-            r"unknown config key quant.fmtt; valid keys here: \['fmt', 'group_size', 'quantized'\]",
+            r"unknown config key quant.fmtt; valid keys here: \['fmt', 'group_size', 'mode', 'quantized'\]",
         ),
         (
             ["nope=1"],
-            r"unknown config key nope; valid keys here: \['demo', 'mesh', 'model', 'quant', 'seed'\]",
+            r"unknown config key nope; valid keys here: \['alignment', 'data', 'mesh', 'model', "
+            r"'objective', 'optimizer', 'quant', 'rewards', 'rollout', 'run', 'seed', 'train'\]",
         ),
-        (["demo.batch=many"], r"demo.batch: expected int, got str"),
+        (["run.steps=many"], r"run.steps: expected int, got str"),
+        (["data.synthetic.ops=/"], r"data.synthetic: synthetic.ops: must be a non-empty subset"),
+        (["objective.name=ppo"], r"objective: objective.name='ppo'"),
+        (["optimizer.learning_rate=0"], r"optimizer.learning_rate must be positive"),
+        (["rewards.kind=regex"], r"rewards: kind 'regex' is not one of"),
+        (["rollout.temperature=0.7"], r"train.temperature \(1.0\) must equal rollout.temperature \(0.7\)"),
+        (["data.samples_per_prompt=4"], r"group size is rollout.samples_per_prompt"),
+        (["rollout.max_len=40"], r"exceed rollout.max_len \(40\)"),
+        (["model.path=/x", "model.num_hidden_layers=2"], r"model: num_hidden_layers overrides a preset"),
         (["seed=true"], r"seed: expected int, got bool"),
         (["quant.fmt=w3a3"], r"quant: unknown quantization format 'w3a3'"),
-        (["model.preset=gpt2"], r"model: unknown preset 'gpt2'"),
+        (["model.path=null", "model.preset=gpt2"], r"model: unknown preset 'gpt2'"),
         (["model.compute_dtype=float16"], r"compute_dtype must be"),
-        (["demo.new_tokens=0"], r"demo: new_tokens must be positive"),
+        (["run.steps=0"], r"run: steps, log_every, eval_prompts and keep must be >= 1"),
         (["mesh.rules=[[embed, 7]]"], r"mesh.rules\[0\]\[1\]"),
         (["seed"], r"not of the form key=value"),
     ],

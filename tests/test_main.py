@@ -1,19 +1,63 @@
-"""The CLI: runs the job on small overrides and rejects bad configuration with exit code 2."""
+"""The CLI: trains on the smoke config and exports, rejects bad configuration (exit 2) and refuses a
+checkpoint from another config (exit 3), naming the key or the directory."""
 
 import json
+import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qarl_jax.checkpoint import Checkpointer
+from qarl_jax.config import load_config, to_dict
 from qarl_jax.main import main
+from qarl_jax.models import from_pretrained
+from qarl_jax.rl.train_step import TrainState
+
+SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
 
 
-def test_main_runs_and_reports(capsys):
-    assert main(["demo.batch=2", "demo.new_tokens=4", "quant.fmt=w8a8"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["format"] == "w8a8" and report["devices"] == 8
-    assert report["rollout_tokens_per_s"] > 0
-    assert 0.0 <= report["aligned_frac_bitwise_equal"] <= 1.0
-    assert report["naive_max_abs_logprob_diff"] > 0.0  # full precision vs int8 rollout differ
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def test_main_trains_and_exports(tmp_path, capsys):
+    export = tmp_path / "hf"
+    argv = [
+        "--config",
+        SMOKE,
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.steps=1",
+        "--export-hf",
+        str(export),
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_from"] == 0 and summary["final"]["step"] == 1
+    assert 0.0 <= summary["final"]["eval/accuracy"] <= 1.0
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+    model, params, tokenizer = from_pretrained(export)
+    assert tokenizer.get_vocab_size() == model.config.vocab_size == 128
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
 def test_main_rejects_unknown_key(capsys):
     assert main(["quant.fmtt=w8a8"]) == 2
     assert "unknown config key quant.fmtt" in capsys.readouterr().err
+
+
+def test_main_refuses_a_foreign_checkpoint(tmp_path, capsys):
+    other = to_dict(load_config(SMOKE, ["seed=123"]))
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, config=other)
+    w = jnp.zeros((2, 2))
+    ckpt.save(1, TrainState(params={"w": w}, opt_state={}, step=jnp.asarray(1)), {}, seed=123)
+    ckpt.close()
+    assert main(["--config", SMOKE, f"run.output_dir={tmp_path}"]) == 3
+    err = capsys.readouterr().err
+    assert (
+        f"{tmp_path}/checkpoints/1 was written by a different config" in err
+        and "seed: checkpoint 123, now 0 (use" in err
+    )

@@ -174,12 +174,19 @@ class MoE(nn.Module):
         router = _Kernel((c.hidden_size, c.num_experts), ("embed", None), c.param_dtype, name="router")()
         weights = ExpertWeights(c, name="experts")()
         # tokens are independent (dropless): each device routes and computes its own batch rows
-        return ops.per_device(
+        out, experts = ops.per_device(
             lambda x, r, w: _moe(x, r, w, c, self.quant), x, router, weights, batched=(True, False, False)
         )
+        # the router's choices [B, T, top_k], kept only when "intermediates" is mutable (alignment
+        # tools compare the rollout's and the training forward's routing); otherwise a no-op
+        self.sow("intermediates", "router_topk", experts)
+        return out
 
 
-def _moe(x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None) -> jax.Array:
+def _moe(
+    x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None
+) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, H], chosen experts [B, T, top_k] in the router's order)."""
     b, t, hdim = x.shape
     e, k = c.num_experts, c.num_experts_per_tok
     tokens = x.reshape(b * t, hdim).astype(c.dtype)
@@ -198,7 +205,8 @@ def _moe(x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None
     up = quant.grouped_dot(rows, w_up, group_sizes, spec, "experts")
     out = quant.grouped_dot(nn.silu(gate) * up, w_down, group_sizes, spec, "experts")
     out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
-    return _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]).reshape(b, t, hdim)
+    out = _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]).reshape(b, t, hdim)
+    return out, experts.reshape(b, t, k)
 
 
 def _sum_in_order(terms: list[jax.Array]) -> jax.Array:

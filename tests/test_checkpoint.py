@@ -1,0 +1,137 @@
+"""Checkpoints: exact resume (in process and after SIGKILL), keep-N, and clear errors for corrupt or
+incompatible checkpoints."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qarl_jax.checkpoint import Checkpointer, CheckpointError
+from qarl_jax.config import load_config
+from qarl_jax.models import from_pretrained
+from qarl_jax.rl.train_step import TrainState
+from qarl_jax.train import train
+
+STEPS = 4
+SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
+
+
+# evals every 2 steps: the stopped run's last step (2) then evaluates in both runs
+COMMON = ["run.eval_every=2"]
+
+
+def run_config(out, overrides=()):
+    return load_config(SMOKE, [f"run.output_dir={out}", *COMMON, *overrides])
+
+
+def metrics_without_timing(run_dir) -> list[dict]:
+    lines = pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference run."""
+    out = tmp_path_factory.mktemp("straight")
+    result = train(run_config(out, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))
+    return out, result
+
+
+def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
+    ref_dir, ref = straight
+    assert any(m["train/grad_norm"] > 0 for m in metrics_without_timing(ref_dir)[1:])  # it learned
+    first = train(run_config(tmp_path, ["run.steps=2", "run.checkpoint_every=2"]))
+    assert first.summary["resumed_from"] == 0
+    resumed = train(run_config(tmp_path, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))
+    assert resumed.summary["resumed_from"] == 2
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, ref.state.params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.opt_state, ref.state.opt_state)
+    assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
+
+
+def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path):
+    ref_dir, ref = straight
+    export = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON]
+    cmd += [f"run.steps={STEPS}", "run.checkpoint_every=1", f"--export-hf={export}"]
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:  # eval line + 2 steps
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, (
+        f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    )
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert not export.exists()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["resumed_from"] >= 1
+    assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
+    _, params, _ = from_pretrained(export)
+    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
+
+
+def _state(value: float) -> TrainState:
+    params = {"w": jnp.full((4, 8), value, jnp.float32)}
+    return TrainState(params=params, opt_state={"mu": params["w"] * 0.5}, step=jnp.asarray(3, jnp.int32))
+
+
+def test_keep_n_and_round_trip(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2, config={"seed": 0, "run": {"steps": 9}})
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(float(step)), {"grain": step}, seed=0)
+    ckpt.close()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+    # a changed run section (more steps) may resume
+    restored = Checkpointer(tmp_path, keep=2, config={"seed": 0, "run": {"steps": 20}}).restore(_state(0.0))
+    assert restored.step == 3 and restored.data_state == {"grain": 3} and restored.meta["seed"] == 0
+    np.testing.assert_array_equal(restored.state.params["w"], np.full((4, 8), 3.0, np.float32))
+
+
+def test_incompatible_config_is_refused_naming_the_directory(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=1, config={"seed": 0, "optimizer": {"learning_rate": 0.1}})
+    ckpt.save(1, _state(1.0), {}, seed=0)
+    ckpt.close()
+    other = Checkpointer(tmp_path, keep=1, config={"seed": 0, "optimizer": {"learning_rate": 0.2}})
+    with pytest.raises(
+        CheckpointError, match=rf"{tmp_path}/1 was written by a different config.*learning_rate"
+    ):
+        other.restore(_state(0.0))
+
+
+def test_corrupt_checkpoint_is_an_error_not_skipped(tmp_path):
+    config = {"seed": 0}
+    for step in (1, 2):
+        ckpt = Checkpointer(tmp_path, keep=3, config=config)
+        ckpt.save(step, _state(float(step)), {}, seed=0)
+        ckpt.close()
+    for f in pathlib.Path(tmp_path, "2", "state").rglob("*"):
+        if f.is_file() and "manifest" in f.name:
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/2: cannot restore"):
+        Checkpointer(tmp_path, keep=3, config=config).restore(_state(0.0))
+
+
+def test_shape_mismatch_is_an_error(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=1, config={})
+    ckpt.save(1, _state(1.0), {}, seed=0)
+    ckpt.close()
+    other = TrainState(
+        params={"w": jnp.zeros((2, 2))}, opt_state={"mu": jnp.zeros((2, 2))}, step=jnp.asarray(0)
+    )
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/1: cannot restore"):
+        Checkpointer(tmp_path, keep=1, config={}).restore(other)

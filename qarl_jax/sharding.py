@@ -1,4 +1,5 @@
-"""Device mesh, logical-axis rules and the shard_map helper every custom kernel runs under.
+"""Device mesh and logical-axis rules. (Custom kernels run per device through
+``qarl_jax.models.ops.per_device``, a ``shard_map`` over the batch rows.)
 
 Parameters and activations are annotated with logical axis names (``embed``, ``mlp``, ``batch``,
 ...). Rules map them onto the mesh axes ``data``, ``fsdp``, ``tensor`` and ``expert``; changing the
@@ -10,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from qarl_jax.models.qwen3 import init_fn
 
@@ -104,29 +105,6 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 def init_sharded(model: nn.Module, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """Initialise parameters directly in their shards (no device ever holds the whole model)."""
     return jax.jit(init_fn(model), out_shardings=param_shardings(model, mesh, rules))(rng)
-
-
-def shard_map_kernel(
-    kernel: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...], out_specs: PartitionSpec
-) -> Callable:
-    """Run ``kernel`` once per device on its local shards.
-
-    A ``pallas_call`` under plain ``jit`` is opaque to the partitioner, which then all-gathers its
-    operands and runs the whole op on every device; under ``shard_map`` each device runs the kernel
-    on its own block. Specs must not split a dimension the kernel reduces over, unless the kernel
-    itself reduces across devices."""
-    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-
-def matmul_specs(
-    mesh: Mesh, rules, x_axes: tuple, w_axes: tuple
-) -> tuple[tuple[PartitionSpec, ...], PartitionSpec]:
-    """shard_map specs for ``x [..., K] @ w [K, N]``: rows keep their sharding, N keeps its sharding,
-    and K is gathered (FSDP weights are all-gathered before the kernel, never reduced in it)."""
-    x_spec = nn.logical_to_mesh_axes(x_axes[:-1] + (None,), rules)
-    w_spec = nn.logical_to_mesh_axes((None, w_axes[-1]), rules)
-    out_spec = PartitionSpec(*x_spec[:-1], w_spec[-1])
-    return (x_spec, w_spec), out_spec
 
 
 def place(tree, shardings):

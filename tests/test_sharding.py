@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding as sh
-from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, ops, preset, save_pretrained
 
 MESHES = {
     "qwen3-tiny": sh.MeshConfig(data=2, fsdp=2, tensor=2),
@@ -74,29 +74,26 @@ def test_sharded_load_and_forward(tmp_path, name):
     )
 
 
-def test_shard_map_kernel_runs_on_local_shards_hlo():
-    """The kernel helper: each device computes its own [M/4, N/2] block, with no collective at all;
-    the same kernel under plain jit has its operands all-gathered."""
+def test_kernels_run_per_device_on_local_rows_hlo():
+    """ops.per_device (the helper every model kernel runs under): each device computes its own
+    [M/4, N] rows with no collective on them; the same kernel under plain jit is partitioned by
+    XLA instead (the row-block loop then runs on a layout of the partitioner's choosing)."""
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=2, tensor=2))
-    rules = sh.DEFAULT_RULES
-    (x_spec, w_spec), out_spec = sh.matmul_specs(mesh, rules, ("batch", "act_embed"), ("embed", "mlp"))
-    assert (x_spec, w_spec, out_spec) == (
-        P(("data", "fsdp", "expert"), None),
-        P(None, "tensor"),
-        P(("data", "fsdp", "expert"), "tensor"),
-    )
 
-    def kernel(x, w):  # stands for a pallas_call: any per-device computation
+    def kernel(x, w):  # stands for a row-block kernel or a pallas_call
         return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
-    x = jax.device_put(jnp.ones((64, 32)), jax.NamedSharding(mesh, x_spec))
-    w = jax.device_put(jnp.ones((32, 48)), jax.NamedSharding(mesh, w_spec))
-    f = jax.jit(sh.shard_map_kernel(kernel, mesh, (x_spec, w_spec), out_spec))
-    hlo = f.lower(x, w).compile().as_text()
-    assert re.search(r"f32\[16,32\].*f32\[32,24\]", hlo.replace("\n", " ")), "per-device operand shapes"
-    assert re.search(r"f32\[16,24\]", hlo), "per-device output shape"
+    x = jax.device_put(jnp.ones((64, 32)), jax.NamedSharding(mesh, P(("data", "fsdp", "expert"))))
+    w = jax.device_put(jnp.ones((32, 48)), jax.NamedSharding(mesh, P()))
+    with sh.activate(mesh):
+        f = jax.jit(lambda x, w: ops.per_device(kernel, x, w, batched=(True, False)))
+        lowered = f.lower(x, w)
+        hlo = lowered.compile().as_text()
+        out = f(x, w)
+        plain = jax.jit(kernel).lower(x, w).as_text()
+    # a manual (per-device) region wraps the kernel; plain jit leaves it to the partitioner
+    assert "manual_computation" in lowered.as_text() and "manual_computation" not in plain
+    assert re.search(r"f32\[16,32\]", hlo) and re.search(r"f32\[16,48\]", hlo), "per-device shapes"
     assert "all-gather" not in hlo and "all-reduce" not in hlo
-    out = f(x, w)
-    assert out.sharding.is_equivalent_to(jax.NamedSharding(mesh, out_spec), 2)
-    assert out.addressable_shards[0].data.shape == (16, 24)
+    assert out.addressable_shards[0].data.shape == (16, 48)
     np.testing.assert_array_equal(np.asarray(out), np.full((64, 48), 32.0))

@@ -28,8 +28,7 @@ Quantizer = Callable[[jax.Array, str, int | None], QuantizedWeight]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def _ste(x, w_master, fmt, group_size, out_dtype, block_rows, backend, quantizer):
-    wq = quantizer(w_master, fmt, group_size)
-    return quantized_matmul(x, wq, out_dtype=out_dtype, block_rows=block_rows, backend=backend)
+    return _ste_fwd(x, w_master, fmt, group_size, out_dtype, block_rows, backend, quantizer)[0]
 
 
 def _ste_fwd(x, w_master, fmt, group_size, out_dtype, block_rows, backend, quantizer):
@@ -72,8 +71,8 @@ def quantized_matmul_ste(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _grouped_ste(x, w_master, group_sizes, fmt, group_size, out_dtype, block_rows, backend, quantizer):
-    wq = quantizer(w_master, fmt, group_size)
-    return grouped_matmul(x, wq, group_sizes, out_dtype=out_dtype, block_rows=block_rows, backend=backend)
+    args = (fmt, group_size, out_dtype, block_rows, backend, quantizer)
+    return _grouped_ste_fwd(x, w_master, group_sizes, *args)[0]
 
 
 def _grouped_ste_fwd(x, w_master, group_sizes, fmt, group_size, out_dtype, block_rows, backend, quantizer):

@@ -44,8 +44,12 @@ def policy_logprobs(
     """log p(targets[b, t] | tokens[b, :t+1]) [B, T] f32 under the training forward, from the float
     master ``params``. Packed rows: ``positions`` restart at 0 and ``segment_ids`` change at each
     sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass."""
-    logits = training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
+    logits = _training_logits(model, params, tokens, positions, segment_ids, remat)
     return token_logprobs(logits, targets, temperature)
+
+
+def _training_logits(model, params, tokens, positions, segment_ids, remat: bool) -> jax.Array:
+    return training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
 
 
 def policy_logprobs_and_entropy(
@@ -63,7 +67,7 @@ def policy_logprobs_and_entropy(
     The log-probs are bitwise those of :func:`policy_logprobs` (same kernel on the same logits); the
     entropy -sum p log p runs the row-wise log-softmax kernel over the vocabulary, so it costs one
     more pass over the logits, not a second forward."""
-    logits = training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
+    logits = _training_logits(model, params, tokens, positions, segment_ids, remat)
     logq = log_softmax(logits, temperature)
     entropy = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
     return token_logprobs(logits, targets, temperature), entropy

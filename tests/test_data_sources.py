@@ -16,6 +16,7 @@ from qarl_jax.data import (
     build_arithmetic_tokenizer,
 )
 from qarl_jax.data.arith_tokenizer import UNK
+from qarl_jax.data.synthetic import split_of
 from qarl_jax.rewards import grade_number
 
 
@@ -27,6 +28,19 @@ def test_synthetic_is_deterministic_per_seed_and_index():
     assert a[3] == b[3] and a[3]["id"] == "synthetic:7:3"
     with pytest.raises(IndexError):
         a[50]
+
+
+def test_synthetic_train_and_test_splits_are_disjoint_problem_sets():
+    """One-digit, two-step problems number 4,000: the held-out split must never repeat a training one."""
+    cfg = SyntheticConfig(digits=1, steps=2, ops="+-", size=3000)
+    train = {SyntheticArithmetic(cfg, 0, "train")[i]["prompt"] for i in range(3000)}
+    test = {SyntheticArithmetic(cfg, 1, "test")[i]["prompt"] for i in range(300)}
+    assert train.isdisjoint(test) and len(train) > 1500 and len(test) > 100
+    assert {split_of(p) for p in train} == {"train"} and {split_of(p) for p in test} == {"test"}
+    with pytest.raises(ValueError, match="split must be one of"):
+        SyntheticArithmetic(cfg, 0, "validation")
+    with pytest.raises(ValueError, match="split: must be one of"):
+        DataConfig(split="validation")
 
 
 def test_synthetic_answers_match_an_independent_left_to_right_sum():

@@ -59,8 +59,9 @@ class DataConfig:
     GSM8K JSONL files the offline builder prepares from. ``prompt_key``/``answer_key`` name the row
     fields (GSM8K: ``question``/``answer``; generic files: e.g. ``prompt``/``answer``);
     ``answer_format="gsm8k"`` keeps what follows ``####``. ``num_epochs=None`` repeats forever.
-    ``split`` is the TFDS split. ``bad_rows`` (``skip`` counts, ``error`` raises) applies to malformed
-    rows and to prompts longer than ``max_prompt_tokens``.
+    ``split`` is the TFDS split, or the synthetic source's ``train``/``test`` half. ``bad_rows``
+    (``skip`` counts, ``error`` raises) applies to malformed rows and to prompts longer than
+    ``max_prompt_tokens``.
     """
 
     source: str = "synthetic"  # one of SOURCES (plain str so YAML configs nest it)
@@ -97,6 +98,8 @@ class DataConfig:
         for field in ("prompt_key", "answer_key", "split"):
             value = getattr(self, field)
             _check(isinstance(value, str) and bool(value), field, f"must be non-empty text, got {value!r}")
+        if self.source == "synthetic":
+            _check_choice(self.split, "split", ("train", "test"))
         if self.source == "jsonl":
             _check(bool(self.path), "path", "source='jsonl' needs the path of a JSONL file")
         if self.source == "tfds":

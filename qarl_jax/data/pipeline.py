@@ -29,7 +29,7 @@ STATE_VERSION = 1
 def make_source(config: DataConfig) -> Any:
     """The random-access record source ``config`` names (TFDS is imported only here, lazily)."""
     if config.source == "synthetic":
-        return SyntheticArithmetic(config.synthetic, config.seed)
+        return SyntheticArithmetic(config.synthetic, config.seed, config.split)
     if config.source == "jsonl":
         keys = (config.prompt_key, config.answer_key, config.answer_format)
         return JsonlSource(config.path, *keys, bad_rows=config.bad_rows)

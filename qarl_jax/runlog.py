@@ -1,0 +1,167 @@
+"""Run directories for notebooks: a run's ``config.json`` and ``metrics.jsonl`` as numpy columns.
+
+``metrics.jsonl`` (written by :mod:`qarl_jax.train`) holds one JSON object per line: the line of
+step 0 holds only the eval before training, every later line one training step's metrics, plus the
+held-out evals (``eval/...``, ``eval_bf16/...``) on eval steps. Keys come and go between versions
+of the trainer, so a key a row lacks reads as NaN and a key no row has as an empty series.
+Pure numpy + json: no JAX, no pandas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+EVAL_PREFIXES = ("eval/", "eval_bf16/")
+
+
+class RunLogError(ValueError):
+    """A run directory or one of its files cannot be read."""
+
+
+def is_eval_key(key: str) -> bool:
+    """Whether ``key`` is a held-out eval metric (logged on eval steps only)."""
+    return key.startswith(EVAL_PREFIXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLog:
+    """One run directory, read.
+
+    ``rows`` are the lines of ``metrics.jsonl`` as parsed. ``metrics`` is the table of training
+    steps (step >= 1): ``"step"`` and every non-eval key any of them logged, one float per step, NaN
+    where a step lacks the key. ``evals`` is the table of the rows with eval keys (step 0: before
+    training) in the same form.
+    """
+
+    path: pathlib.Path
+    name: str  # label for plots: the directory's name (see load_runs for collisions)
+    config: dict[str, Any]  # config.json; {} for a run directory without one
+    rows: list[dict[str, float]]
+    metrics: dict[str, np.ndarray]
+    evals: dict[str, np.ndarray]
+
+    def has(self, key: str) -> bool:
+        """Whether any row logged ``key``."""
+        return any(key in row for row in self.rows)
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of ``key`` on the steps that logged it (a logged NaN stays NaN); empty
+        arrays when none did."""
+        logged = [row for row in self.rows if key in row]
+        return np.array([r["step"] for r in logged], np.int64), np.array([r[key] for r in logged], np.float64)
+
+
+def _table(rows: Sequence[dict[str, float]], keys: Iterable[str]) -> dict[str, np.ndarray]:
+    return {k: np.array([row.get(k, math.nan) for row in rows], np.float64) for k in ["step", *keys]}
+
+
+def _read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunLogError(f"{where}: not valid JSON ({e.msg}); a run killed mid-write?") from e
+            if not isinstance(row, dict):
+                raise RunLogError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            if not isinstance(row.get("step"), int):
+                raise RunLogError(f"{where}: no integer 'step' key")
+            for key, value in row.items():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise RunLogError(f"{where}: {key!r} is {value!r}, not a number")
+            rows.append(row)
+    return rows
+
+
+def load_run(run_dir: str | pathlib.Path) -> RunLog:
+    """Read one run directory (``config.json`` optional, ``metrics.jsonl`` required)."""
+    path = pathlib.Path(run_dir)
+    if not path.is_dir():
+        raise RunLogError(f"{path}: no such run directory (resolved: {path.resolve()})")
+    metrics_file = path / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise RunLogError(f"{path}: no metrics.jsonl (not a run directory, or the run has not started)")
+    config: dict[str, Any] = {}
+    config_file = path / "config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise RunLogError(f"{config_file}:{e.lineno}: not valid JSON ({e.msg})") from e
+    rows = _read_metrics(metrics_file)
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "step"))
+    train_rows = [row for row in rows if row["step"] >= 1]
+    eval_rows = [row for row in rows if any(is_eval_key(k) for k in row)]
+    return RunLog(
+        path=path,
+        name=path.resolve().name,
+        config=config,
+        rows=rows,
+        metrics=_table(train_rows, [k for k in keys if not is_eval_key(k)]),
+        evals=_table(eval_rows, [k for k in keys if is_eval_key(k)]),
+    )
+
+
+def load_runs(run_dirs: Iterable[str | pathlib.Path]) -> list[RunLog]:
+    """Read several run directories. Runs whose directory names collide are named by as many
+    trailing path components as it takes to tell them apart (``a/default``, ``b/default``)."""
+    runs = [load_run(d) for d in run_dirs]
+    parts = [r.path.resolve().parts for r in runs]
+    named = []
+    for run, own in zip(runs, parts, strict=True):
+        depth = 1
+        while depth < len(own) and any(p != own and p[-depth:] == own[-depth:] for p in parts):
+            depth += 1
+        named.append(dataclasses.replace(run, name="/".join(own[-depth:])))
+    return named
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    csum = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (csum[ends] - csum[starts]) / (ends - starts)
+
+
+def summary(run: RunLog, frac: float = 0.2) -> dict[str, Any]:
+    """One row for a run table: quant format/mode, steps, mean reward over the first and the last
+    ``frac`` of the steps, eval accuracy before/after training (NaN where not logged), and the largest
+    |log-prob mismatch| seen (exactly 0 for an aligned run)."""
+    _, reward = run.series("reward_mean")
+    k = max(1, math.ceil(frac * len(reward)))
+    quant = run.config.get("quant", {})
+
+    def last(key: str) -> float:
+        values = run.series(key)[1]
+        return float(values[-1]) if len(values) else math.nan
+
+    def first_eval() -> float:
+        steps, values = run.series("eval/accuracy")
+        return float(values[0]) if len(steps) and steps[0] == 0 else math.nan
+
+    mismatch = run.series("train/mismatch_max_abs_diff")[1]
+    return {
+        "run": run.name,
+        "quant": f"{quant.get('fmt', '?')} {quant.get('mode', '?')}",
+        "steps": len(run.metrics["step"]),
+        "reward_first": float(reward[:k].mean()) if len(reward) else math.nan,
+        "reward_last": float(reward[-k:].mean()) if len(reward) else math.nan,
+        "eval_before": first_eval(),
+        "eval_final": last("eval/accuracy"),
+        "eval_bf16_final": last("eval_bf16/accuracy"),
+        "mismatch_max": float(mismatch.max()) if len(mismatch) else math.nan,
+    }

@@ -6,7 +6,10 @@ import pytest
 from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, preset
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+REAL = ("qwen3-8b", "qwen3-30b-a3b")  # published checkpoints' architectures (for planning)
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - set(REAL)))
 def test_presets_are_tiny_and_int4_groupable(name):
     config = preset(name)
     shapes = jax.eval_shape(lambda: init_params(Qwen3ForCausalLM(config), jax.random.key(0)))

@@ -230,6 +230,40 @@ PRESETS: dict[str, Qwen3Config] = {
         moe_intermediate_size=128,
         mlp_only_layers=(0,),
     ),
+    # Real checkpoints' architectures (their Hugging Face config.json values), for planning runs
+    # without the weights (python -m qarl_jax.tools.memory_plan).
+    "qwen3-8b": Qwen3Config(  # 8.19B params
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-30b-a3b": Qwen3Config(  # 30.5B params, 3.3B active: 128 experts top-8 in every layer
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,  # in config.json, unused: every layer is sparse
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    ),
 }
 
 

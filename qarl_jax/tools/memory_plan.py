@@ -1,0 +1,317 @@
+"""``python -m qarl_jax.tools.memory_plan --config FILE [--devices N] [--platform P | --hbm-gb G]
+[--preset NAME] [key=value ...]``
+
+Plans a run's memory per device before the hardware is rented: a sharding rule that does not
+divide, or a batch that does not fit, fails here in seconds instead of minutes into a slice.
+
+The architecture comes from ``--preset``, else the checkpoint's ``config.json`` when ``model.path``
+exists here, else ``model.preset`` (so a config for a checkpoint elsewhere names the matching preset
+too). Every shape is exact: ``jax.eval_shape`` of the model's init, of ``quantize_params`` and of the
+optimizer's init (no weight is ever allocated), sharded by the config's rules on an
+``AbstractMesh`` of the stated size (no devices needed). Every sharded parameter dimension must
+divide by its mesh axes. Persistent memory per device:
+
+  params       the float master weights (model.param_dtype)
+  frozen       the rollout's frozen weights: int4 values packed two per byte + f32 group scales for
+               the quantized kinds, the other leaves copied as they are; sharded like their kernels
+               (a dimension that does not divide, e.g. too few scale groups, counted replicated)
+  optimizer    the optimizer's state, sharded like the parameters it mirrors
+  gradients    2 x params: the micro-batch accumulator and one micro-batch's gradients
+  kv_cache     2 x layers x slots x max_len x kv_heads x head_dim x c (the engine keeps it for
+               the whole run), slots over the batch axes and kv heads over tensor where they divide
+
+Then the largest of three phases, estimated (c: compute-dtype bytes, p: master-dtype bytes,
+V: vocabulary, H: hidden size, L: layers, rows: sequences per device):
+
+  rollout      prefill of EngineConfig.max_prefill_batch prompts of data.max_prompt_tokens:
+               rows x tokens x (a x c + V x c + a layer-stack's K/V) + W
+  scoring      old log-probs, one forward over the whole rollout batch (not micro-batched):
+               rows x max_len x (a x c + V x (c + 4)) + W
+  update       one micro-batch: rows x max_len x (S x c + V x (c + 4)) + 2 W, with
+               S = sum of a over layers + max a (no remat) or L x H + 2 max a (train.remat)
+
+where a = activation elements per token of one layer, kept for the backward: 4 H + 4 (q_heads +
+kv_heads) x head_dim + 4 x intermediate (dense MLP) or experts + top_k x (2 H + 4 x
+moe_intermediate) (MoE); logits are in c with an f32 log-softmax or gradient beside them; W = the
+largest layer (or lm_head) gathered whole in p, since ``ops.per_device`` runs every matmul on the
+gathered weight (twice in the update: the weight and its full-size gradient). These are estimates:
+XLA's temporaries and fragmentation come on top, so leave headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import sys
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from qarl_jax import quant, sharding
+from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
+from qarl_jax.models import Qwen3Config, Qwen3ForCausalLM, preset
+from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.rl.train_step import make_optimizer
+from qarl_jax.rollout import EngineConfig
+from qarl_jax.rollout.engine import bucket
+from qarl_jax.train import model_dir
+
+GB = 1e9
+HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
+PERSISTENT = ("params", "frozen", "optimizer", "gradients", "kv_cache")
+PHASES = ("rollout", "scoring", "update")
+
+
+class PlanError(ValueError):
+    """A config that cannot run on the stated mesh; the message names what does not divide."""
+
+
+def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3Config, str]:
+    """(architecture, where it came from): ``preset_name``, else the checkpoint's config.json when
+    ``model.path`` exists here, else ``model.preset``, which must then be stated (not the default)."""
+    m = config.model
+    dtypes = dict(param_dtype=m.param_dtype, dtype=m.compute_dtype)
+    try:
+        if preset_name is not None:
+            return preset(preset_name, **dtypes), f"preset {preset_name}"
+        if m.path is None:
+            depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
+            return preset(m.preset, **dtypes, **depth), f"preset {m.preset}"
+        path = model_dir(m.path)
+        if (path / "config.json").exists():
+            return hf_config(path, **dtypes), str(path / "config.json")
+        if m.preset == ModelConfig().preset:
+            raise PlanError(
+                f"model.path {m.path} is not here and model.preset is the default {m.preset!r}: "
+                "name the checkpoint's architecture with model.preset or --preset"
+            )
+        return preset(m.preset, **dtypes), f"preset {m.preset} ({m.path} is not here)"
+    except ValueError as e:  # an unknown preset, an unreadable config.json
+        raise PlanError(str(e)) from e
+
+
+def _names(path) -> tuple[str, ...]:
+    """The dict keys along a pytree path (optimizer states nest the parameter tree under others)."""
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _ways(axes, mesh: dict[str, int]) -> int:
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh[a] for a in names)
+
+
+def _shard_bytes(shape, dtype, spec, mesh: dict[str, int]) -> int:
+    """Bytes of one device's shard; a dimension its axes do not divide counts as replicated."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    dims = [d // w if d % (w := _ways(a, mesh)) == 0 else d for d, a in zip(shape, spec, strict=True)]
+    return math.prod(dims) * jnp.dtype(dtype).itemsize
+
+
+def _param_specs(model: Qwen3ForCausalLM, mesh: dict[str, int], rules) -> tuple[dict, dict]:
+    """(abstract params, path -> mesh PartitionSpec) under ``rules``; raises PlanError naming every
+    parameter dimension its mesh axes do not divide."""
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    abstract_mesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
+    shardings = sharding.logical_to_sharding(boxed, abstract_mesh, rules)["params"]
+    params = nn.meta.unbox(boxed["params"])
+    specs, bad = {}, []
+    for (path, leaf), s in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings), strict=True
+    ):
+        name = "/".join(_names(path))
+        specs[_names(path)] = s.spec
+        for i, (dim, axes) in enumerate(zip(leaf.shape, s.spec, strict=False)):
+            if dim % (w := _ways(axes, mesh)):
+                bad.append(
+                    f"{name} {leaf.shape}: dim {i} ({dim}) does not divide by mesh axes {axes!r} = {w}"
+                )
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise PlanError("parameters do not shard evenly: " + "; ".join(bad[:3]) + more)
+    return params, specs
+
+
+def _tree_bytes(tree, specs: dict, mesh: dict[str, int]) -> int:
+    """Per-device bytes of ``tree``, each leaf sharded like the parameter at its dict-key path
+    (optimizer moments; a frozen kernel's values and scales); other leaves (step counts) replicated."""
+    return sum(
+        _shard_bytes(leaf.shape, leaf.dtype, specs.get(_names(path), ()), mesh)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    )
+
+
+def _layer_activations(c: Qwen3Config, layer: int) -> int:
+    """a: activation elements per token of one decoder layer kept for the backward (module doc)."""
+    attn = 4 * c.hidden_size + 4 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
+    if c.is_moe_layer(layer):
+        return (
+            attn + c.num_experts + c.num_experts_per_tok * (2 * c.hidden_size + 4 * c.moe_intermediate_size)
+        )
+    return attn + 4 * c.intermediate_size
+
+
+def _rows(sequences: int, ways: int, what: str) -> int:
+    """Sequences per device of a training batch: it must split over the batch axes (the trainer
+    places it sharded; ``ops.per_device`` would replicate rows that do not split)."""
+    if sequences % ways:
+        raise PlanError(
+            f"{what}: {sequences} sequences do not split over the {ways} devices of the batch axes"
+        )
+    return sequences // ways
+
+
+def _batch_sizes(config: Config, ways: int) -> dict[str, int]:
+    """Sequences per device of the training micro-batch and of the scoring forward."""
+    n = config.data.batch_size * config.rollout.samples_per_prompt
+    parts = config.train.num_minibatches * config.train.micro_batches
+    if n % parts:
+        raise PlanError(
+            f"a rollout batch of {n} sequences (data.batch_size x rollout.samples_per_prompt) does not "
+            f"split into train.num_minibatches x train.micro_batches = {parts} micro-batches"
+        )
+    return dict(
+        micro=_rows(n // parts, ways, "a train micro-batch (rollout batch / minibatches / micro-batches)"),
+        scoring=_rows(n, ways, "the rollout batch (data.batch_size x rollout.samples_per_prompt)"),
+    )
+
+
+def plan(
+    config: Config, devices: int | None = None, *, preset_name: str | None = None, hbm_gb: float | None = None
+) -> dict[str, Any]:
+    """Per-device memory plan of ``config`` on ``devices`` (default: the mesh's stated size, which
+    must then have no -1 axis). Bytes are per device; see the module doc for what each entry holds."""
+    m = config.mesh
+    if devices is None:
+        if -1 in (m.data, m.fsdp, m.tensor, m.expert):
+            raise PlanError("the mesh has a -1 axis: state the device count (--devices N)")
+        devices = m.data * m.fsdp * m.tensor * m.expert
+    try:
+        mesh = m.shape(devices)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
+    c, source = architecture(config, preset_name)
+    model = Qwen3ForCausalLM(c)  # the parameter tree does not depend on the quant spec
+    params, specs = _param_specs(model, mesh, m.rules)
+    frozen = jax.eval_shape(lambda p: quant.quantize_params(p, config.quant), params)
+    opt_state = jax.eval_shape(make_optimizer(config.optimizer).init, params)
+    ways = _ways(nn.logical_to_mesh_axes(("batch",), m.rules)[0], mesh)
+
+    r, cb, pb = config.rollout, jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
+    kv_spec = nn.logical_to_mesh_axes((None, "batch", None, "kv_heads", None), m.rules)
+    kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.num_key_value_heads, c.head_dim)
+    notes = [
+        f"KV cache: {d} does not split over {ax!r}: replicated"
+        for d, ax in zip(kv_shape, kv_spec, strict=True)
+        if d % _ways(ax, mesh)
+    ]
+    param_bytes = _tree_bytes(params, specs, mesh)
+    persistent = dict(
+        params=param_bytes,
+        frozen=_tree_bytes(frozen, specs, mesh),
+        optimizer=_tree_bytes(opt_state, specs, mesh),
+        gradients=2 * param_bytes,
+        kv_cache=2 * _shard_bytes(kv_shape, c.dtype, kv_spec, mesh),
+    )
+
+    layers = [_layer_activations(c, i) for i in range(c.num_hidden_layers)]
+    a = max(layers)
+    groups: collections.Counter[str] = collections.Counter()  # top-level modules: layers_i, lm_head, ...
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        groups[_names(path)[0]] += leaf.size * pb
+    gathered = max(groups.values())
+    engine = EngineConfig(slots=r.slots, max_len=r.max_len)
+    prompt = bucket(config.data.max_prompt_tokens, engine.length_buckets)
+    prefill_rows = engine.max_prefill_batch  # replicated by per_device unless it splits
+    if prefill_rows % ways == 0:
+        prefill_rows //= ways
+    kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * cb
+    rows = _batch_sizes(config, ways)
+    saved = c.num_hidden_layers * c.hidden_size + 2 * a if config.train.remat else sum(layers) + a
+    logits = c.vocab_size * (cb + 4)
+    phases = dict(
+        rollout=prefill_rows * prompt * (a * cb + c.vocab_size * cb + kv_token) + gathered,
+        scoring=rows["scoring"] * r.max_len * (a * cb + logits) + gathered,
+        update=rows["micro"] * r.max_len * (saved * cb + logits) + 2 * gathered,
+    )
+    peak = max(PHASES, key=phases.get)
+    total = sum(persistent.values()) + phases[peak]
+    hbm = None if hbm_gb is None else hbm_gb * GB
+    return dict(
+        architecture=source,
+        param_count=sum(x.size for x in jax.tree.leaves(params)),
+        devices=devices,
+        mesh=mesh,
+        batch_ways=ways,
+        rows=dict(rows, prefill=prefill_rows, prefill_tokens=prompt),
+        bytes=persistent | phases,
+        peak_phase=peak,
+        total_bytes=total,
+        hbm_bytes=hbm,
+        fits=None if hbm is None else total <= hbm,
+        notes=notes,
+    )
+
+
+def format_plan(p: dict[str, Any], config: Config) -> str:
+    """The plan as a table of GB (1e9 bytes) per device."""
+    m, r, t = config.model, config.rollout, config.train
+    mesh = " ".join(f"{k}={v}" for k, v in p["mesh"].items())
+    rows = p["rows"]
+    how = dict(
+        params=f"{m.param_dtype} master",
+        frozen=f"{config.quant.fmt} rollout weights",
+        optimizer=config.optimizer.name,
+        gradients=f"2 x {m.param_dtype}",
+        kv_cache=f"{r.slots} slots x {r.max_len} tokens, {m.compute_dtype}",
+        rollout=f"prefill {rows['prefill']} x {rows['prefill_tokens']} tokens",
+        scoring=f"old log-probs, {rows['scoring']} x {r.max_len} tokens",
+        update=f"micro-batch {rows['micro']} x {r.max_len} tokens" + (", remat" if t.remat else ""),
+    )
+    b = p["bytes"]
+    lines = [
+        f"architecture: {p['architecture']}, {p['param_count'] / 1e9:.3f}B parameters",
+        f"mesh: {mesh} ({p['devices']} devices; batch over {p['batch_ways']})",
+        f"{'per device':<20}{'GB':>8}  how",
+    ]
+    lines += [f"  {k:<18}{b[k] / GB:>8.2f}  {how[k]}" for k in PERSISTENT]
+    lines.append(f"  {'persistent':<18}{sum(b[k] for k in PERSISTENT) / GB:>8.2f}")
+    for k in PHASES:
+        mark = "  <- peak" if k == p["peak_phase"] else ""
+        lines.append(f"  phase {k:<12}{b[k] / GB:>8.2f}  {how[k]}{mark}")
+    total = f"  {'total':<18}{p['total_bytes'] / GB:>8.2f}  persistent + {p['peak_phase']}"
+    if p["hbm_bytes"] is not None:
+        verdict = "fits" if p["fits"] else "DOES NOT FIT"
+        total += f"; {p['total_bytes'] / p['hbm_bytes']:.0%} of {p['hbm_bytes'] / GB:g} GB HBM: {verdict}"
+    lines.append(total)
+    lines += [f"note: {n}" for n in p["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qarl_jax.tools.memory_plan", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("--config", help="YAML file of overrides (see configs/)")
+    parser.add_argument("--devices", type=int, help="device count (default: the mesh's stated size)")
+    parser.add_argument("--preset", help="architecture preset (default: config.json, else model.preset)")
+    parser.add_argument("--platform", choices=sorted(HBM_GB), help="sets --hbm-gb to the chip's HBM")
+    parser.add_argument("--hbm-gb", type=float, help="HBM per device in GB (1e9 bytes)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.micro_batches=8")
+    args = parser.parse_args(argv)
+    hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
+    try:
+        config = load_config(args.config, args.overrides)
+        p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm)
+    except (ConfigError, PlanError) as e:
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(p, config))
+    return 1 if p["fits"] is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

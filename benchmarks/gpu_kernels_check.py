@@ -61,7 +61,7 @@ def accuracy(cfg) -> dict:
     out = {}
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
-    for i, fmt in enumerate(FMTS):
+    for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(10 + i), (k, n), fmt, cfg["group"])
         y = np.asarray(gpu_matmul.matmul(x, w, out_dtype=jnp.float32, interpret=cfg["interpret"]), np.float64)
         ref = formats.reference_matmul(xf, w)
@@ -89,7 +89,7 @@ def accuracy(cfg) -> dict:
     gm = int(sizes.sum()) + 3  # 3 rows past the groups must come out zero
     xg = jax.random.normal(jax.random.key(2), (gm, gk), jnp.bfloat16)
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    for i, fmt in enumerate(FMTS):
+    for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(30 + i), (e, gk, gn), fmt, cfg["group"])
         y = np.asarray(
             gpu_grouped.grouped_matmul(
@@ -119,7 +119,7 @@ def invariance(cfg) -> dict:
     perm = np.random.default_rng(0).permutation(big)
     other = jax.random.normal(jax.random.key(4), (big, k), jnp.bfloat16).at[0].set(x[0])
     out = {}
-    for i, fmt in enumerate(FMTS):
+    for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(50 + i), (k, n), fmt, cfg["group"])
         f = jax.jit(dense_fn(cfg["interpret"]))
         full = np.asarray(f(x, w))
@@ -132,7 +132,7 @@ def invariance(cfg) -> dict:
     # grouped: expert 1's rows, with expert 0 holding 3 rows or 40 rows in front of them
     e, gk, gn = cfg["moe_shape"]
     rows1 = jax.random.normal(jax.random.key(5), (24, gk), jnp.bfloat16)
-    for i, fmt in enumerate(FMTS):
+    for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(70 + i), (e, gk, gn), fmt, cfg["group"])
         res = []
         for lead, seed in ((3, 6), (40, 7), (0, 8)):
@@ -168,7 +168,7 @@ def speed(cfg, deadline: float) -> dict:
     out = {}
     for k, n in cfg["speed_shapes"]:
         ws = {}
-        for i, fmt in enumerate(("xla_bf16",) + FMTS):
+        for i, fmt in enumerate(("xla_bf16",) + tuple(cfg["formats"])):
             f = "bf16" if fmt == "xla_bf16" else fmt
             base = make_weight(jax.random.key(90 + i), (k, n), f, cfg["group"])
             nbytes = base.values.nbytes + (0 if base.scales is None else base.scales.nbytes)
@@ -244,14 +244,8 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="tiny shapes, Pallas interpret mode (CPU proof run)")
-    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting speed rows after this")
-    args = ap.parse_args()
-    t_start = time.perf_counter()
-    on_gpu = jax.default_backend() == "gpu"
-    small = args.small or not on_gpu
+def config(small: bool, on_gpu: bool) -> dict:
+    """Shapes and repeat counts of every part: the H200's, or tiny ones for a CPU proof run."""
     if small:
         cfg = dict(
             acc_shape=(128, 64, 20),
@@ -278,7 +272,18 @@ def main() -> int:
             min_calls=16,
             iters=20,
         )
-    cfg["interpret"] = not on_gpu
+    return cfg | {"formats": FMTS, "interpret": not on_gpu}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes, Pallas interpret mode (CPU proof run)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting speed rows after this")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    on_gpu = jax.default_backend() == "gpu"
+    small = args.small or not on_gpu
+    cfg = config(small, on_gpu)
     RESULTS["env"] = {
         "jax": jax.__version__,
         "backend": jax.default_backend(),

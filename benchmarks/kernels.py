@@ -2,13 +2,14 @@
 
     python benchmarks/kernels.py            # the accelerator's kernels at decode and training shapes
     python benchmarks/kernels.py --small    # tiny shapes; on CPU only proves the script works
+    python benchmarks/kernels.py --shapes 4096x4096 --ms 1,16 --formats bf16,w8a8,w4a16 --budget-s 20
 
 Per (K, N, M): median time per matmul, achieved TB/s over the weight bytes, TFLOP/s, and the
 speed-up over XLA's bf16 ``jnp.dot`` on the same shape. Every timed call runs a run of matmuls
 over enough weight copies (at least 4) that an H200's 60 MB L2 cannot hold them. Backend: GPU ->
 ``kernels_pallas.gpu`` (Triton), TPU -> ``kernels_pallas.tpu`` (Mosaic), CPU -> the public
 ``kernels_pallas.quantized_matmul`` CPU path (or the GPU kernel in interpret mode if that is absent).
-JSON goes to $OUT/kernels.json (OUT defaults to ./out).
+JSON goes to ``--json`` (default $OUT/kernels.json, OUT defaults to ./out), rewritten after every row.
 """
 
 from __future__ import annotations
@@ -75,22 +76,45 @@ def time_per_call(one, x, copies, calls: int, iters: int) -> float:
     return float(np.median(ts)) / calls
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [(int(k), int(n)) for k, n in (s.split("x") for s in text.split(","))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU proof run)")
+    ap.add_argument("--shapes", type=_shapes, help="comma-separated KxN (default: 4096x4096,8192x8192)")
+    ap.add_argument("--ms", type=_ints, help="comma-separated batch rows M (default: 1,16,64,256,4096)")
+    ap.add_argument("--formats", default=",".join(formats.FORMATS), help="our kernels' formats to time")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this")
+    ap.add_argument("--json", help="result file (default: $OUT/kernels.json)")
     args = ap.parse_args()
+    deadline = time.perf_counter() + (args.budget_s if args.budget_s is not None else float("inf"))
     small = args.small or jax.default_backend() == "cpu"
     name, kernel = kernel_for_backend()
     if small:
-        shapes = [(256, 256, m) for m in (1, 16, 64)]
+        kns, ms = args.shapes or [(256, 256)], args.ms or (1, 16, 64)
         calls, iters, min_copies = 4, 3, 4
     else:
-        shapes = [(kn, kn, m) for kn in (4096, 8192) for m in (1, 16, 64, 256, 4096)]
+        kns, ms = args.shapes or [(4096, 4096), (8192, 8192)], args.ms or (1, 16, 64, 256, 4096)
         calls, iters, min_copies = 16, 20, 4
-    cols = ("xla_bf16",) + formats.FORMATS
+    shapes = [(k, n, m) for k, n in kns for m in ms]
+    cols = ("xla_bf16",) + tuple(args.formats.split(","))
+    unknown = [f for f in cols[1:] if f not in formats.FORMATS]
+    if unknown:
+        ap.error(f"unknown formats {unknown}; expected some of {formats.FORMATS}")
+    out = pathlib.Path(args.json or pathlib.Path(os.environ.get("OUT", "./out")) / "kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = {"jax": jax.__version__, "backend": jax.default_backend(), "kernel": name, "rows": {}}
     weights: dict = {}
     for k, n, m in shapes:
+        if time.perf_counter() > deadline:
+            results.setdefault("skipped_over_budget", []).append(f"K={k} N={n} M={m}")
+            continue
         if (k, n) not in weights:
             weights = {(k, n): {}}  # free the previous shape's copies
             for i, fmt in enumerate(cols):
@@ -114,9 +138,8 @@ def main() -> None:
             r["x_xla"] = row["xla_bf16"]["us"] / r["us"]
         results["rows"][f"K={k} N={n} M={m}"] = row
         print(f"K={k} N={n} M={m}: " + ", ".join(f"{f} {r['us']:.1f}us" for f, r in row.items()), flush=True)
-        out = pathlib.Path(os.environ.get("OUT", "./out"))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kernels.json").write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps(results, indent=1))
     print(f"\n{name} kernels vs XLA bf16 dot on {jax.devices()[0].device_kind} (jax {jax.__version__})")
     print("cell: us per matmul | weight TB/s | TFLOP/s | speed-up over XLA bf16")
     print(f"{'shape':<22}" + "".join(f"{c:>32}" for c in cols))

@@ -9,9 +9,13 @@ logits are more than 1e-4 apart). Our engine runs the bf16 (unquantized) format,
 ``--gpu-shape``: a Qwen3-1.7B-shaped model with random weights (bf16, lm_head unquantized), prompt
 128, 256 new tokens, batch 16/64/256, per format, within ``--budget-s``; imports only jax, numpy,
 flax and qarl_jax (no torch, transformers or TensorFlow there), plus aqtp, through
-``quantize_params``, for the quantized formats (a pure-Python wheel on the H200).
+``quantize_params``, for the quantized formats (a pure-Python wheel on the H200). ``--small-sweep``
+runs that sweep at the CPU shape (prompt 16, 16 new tokens) to prove it here. With ``--hf`` a sweep
+times Hugging Face ``generate`` (PyTorch, on CUDA for ``--gpu-shape``) on a random-weight model of
+the same shape and the same prompts instead of our engine: the outside reference. ``--json`` is
+rewritten after every sweep cell, so a run killed at its time limit keeps the cells it finished.
 
-    python benchmarks/rollout.py [--json OUT] [--gpu-shape --budget-s 400]
+    python benchmarks/rollout.py [--json OUT] [--gpu-shape | --small-sweep] [--hf] [--budget-s 400]
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ TIE_GAP = 1e-4
 
 
 def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, repeats: int):
-    """(tokens [B, new], best tokens/s, compile+first-run seconds) of our engine in ``fmt``."""
+    """(tokens [B, new], best tokens/s, compile+first-run seconds, quantize+engine-build seconds) of
+    our engine in ``fmt``."""
+    setup = time.perf_counter()
     spec = quant.QuantSpec(fmt)
     model = Qwen3ForCausalLM(config, quant=spec)
     frozen = jax.block_until_ready(jax.jit(lambda p: quant.quantize_params(p, spec))(params))
@@ -72,6 +78,7 @@ def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: 
         engine, prompts.tolist(), max_new_tokens=new, sampling=GREEDY, ignore_eos=True, progress=False
     )  # noqa: E731
     start = time.perf_counter()
+    setup = start - setup
     out = run()
     first = time.perf_counter() - start
     best = float("inf")
@@ -81,7 +88,7 @@ def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: 
         best = min(best, time.perf_counter() - start)
     tokens = np.asarray([s[0].tokens for s in out])
     engine.release()
-    return tokens, b * new / best, first
+    return tokens, b * new / best, first, setup
 
 
 def hf_run(path: str, prompts: np.ndarray, new: int, repeats: int):
@@ -136,7 +143,7 @@ def cpu_benchmark(batch: int, prompt_len: int, new: int, repeats: int) -> dict:
         "hf_generate_tokens_per_s": round(ref_tps, 1),
     }
     for fmt in FORMATS:
-        tokens, tps, first = engine_run(config, params, fmt, prompts, new, repeats)
+        tokens, tps, first, _ = engine_run(config, params, fmt, prompts, new, repeats)
         report[fmt] = {
             "tokens_per_s": round(tps, 1),
             "speedup_vs_hf": round(tps / ref_tps, 2),
@@ -147,21 +154,42 @@ def cpu_benchmark(batch: int, prompt_len: int, new: int, repeats: int) -> dict:
     return report
 
 
-def gpu_benchmark(batches: tuple[int, ...], prompt_len: int, new: int, budget_s: float) -> dict:
+def _dump(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def sweep(
+    shape: dict,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new: int,
+    budget_s: float,
+    formats: tuple[str, ...],
+    path: str | None,
+) -> dict:
+    """Our engine's tokens/s per batch (outer) and format (inner), starting no cell after ``budget_s``."""
     start = time.perf_counter()
-    config = Qwen3Config(**GPU_SHAPE, param_dtype="bfloat16", dtype="bfloat16")
+    config = Qwen3Config(**shape, param_dtype="bfloat16", dtype="bfloat16")
     params = jax.block_until_ready(init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
-    report = {"shape": "Qwen3-1.7B (random weights, bf16)", "prompt": prompt_len, "new_tokens": new}
+    report = {"shape": shape, "prompt": prompt_len, "new_tokens": new}
+    report["init_s"] = round(time.perf_counter() - start, 1)
     rng = np.random.default_rng(0)
     for batch in batches:
         prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).astype(np.int32)
-        for fmt in FORMATS:
+        for fmt in formats:
             if time.perf_counter() - start > budget_s:
                 report.setdefault("skipped_over_budget", []).append(f"{fmt}@{batch}")
                 continue
-            _, tps, first = engine_run(config, params, fmt, prompts, new, repeats=1)
-            report[f"{fmt}@{batch}"] = {"tokens_per_s": round(tps, 1), "first_run_s": round(first, 1)}
+            _, tps, first, setup = engine_run(config, params, fmt, prompts, new, repeats=1)
+            report[f"{fmt}@{batch}"] = {
+                "tokens_per_s": round(tps, 1),
+                "first_run_s": round(first, 1),
+                "setup_s": round(setup, 1),
+            }
             print(fmt, batch, report[f"{fmt}@{batch}"], flush=True)
+            _dump(report, path)
     for batch in batches:
         bf16, w4 = report.get(f"bf16@{batch}"), report.get(f"w4a16@{batch}")
         if bf16 and w4:
@@ -169,27 +197,89 @@ def gpu_benchmark(batches: tuple[int, ...], prompt_len: int, new: int, budget_s:
     return report
 
 
+def hf_sweep(
+    shape: dict,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new: int,
+    budget_s: float,
+    device: str,
+    path: str | None,
+) -> dict:
+    """Hugging Face ``generate`` (KV cache, greedy, never stopped by EOS) on a random-weight model of
+    ``shape`` and the prompts :func:`sweep` draws; reports why it could not run instead of figures."""
+    start = time.perf_counter()
+    report: dict = {"reference": "transformers generate", "prompt": prompt_len, "new_tokens": new}
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        return report | {"unavailable": f"{type(err).__name__}: {err}"}
+    if device == "cuda" and not torch.cuda.is_available():
+        return report | {"unavailable": f"torch {torch.__version__} sees no CUDA device"}
+    hf = Qwen3Config(**shape).to_hf()
+    hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    report |= {"torch": torch.__version__, "transformers": transformers.__version__, "device": device}
+    report |= {"dtype": str(dtype), "init_s": round(time.perf_counter() - start, 1)}
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    kw = dict(do_sample=False, use_cache=True)
+    rng = np.random.default_rng(0)
+    for batch in batches:
+        x = torch.as_tensor(rng.integers(0, shape["vocab_size"], (batch, prompt_len)), device=device)
+        if time.perf_counter() - start > budget_s:
+            report.setdefault("skipped_over_budget", []).append(f"hf@{batch}")
+            continue
+        with torch.no_grad():
+            t = time.perf_counter()
+            model.generate(x, max_new_tokens=4, min_new_tokens=4, **kw)
+            sync()
+            warm = time.perf_counter() - t
+            t = time.perf_counter()
+            out = model.generate(x, max_new_tokens=new, min_new_tokens=new, **kw)
+            sync()
+            elapsed = time.perf_counter() - t
+        generated = out.shape[1] - prompt_len
+        if generated != new:
+            raise RuntimeError(f"generate stopped after {generated} of {new} new tokens (EOS?)")
+        report[f"hf@{batch}"] = {"tokens_per_s": round(batch * new / elapsed, 1), "warmup_s": round(warm, 1)}
+        print("hf", batch, report[f"hf@{batch}"], flush=True)
+        _dump(report, path)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu-shape", action="store_true", help="Qwen3-1.7B shape, batches 16/64/256")
-    parser.add_argument(
-        "--budget-s", type=float, default=420.0, help="GPU mode: stop starting runs after this"
-    )
-    parser.add_argument("--batches", default="16,64,256", help="GPU mode batch sizes")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--gpu-shape", action="store_true", help="Qwen3-1.7B shape, batches 16/64/256")
+    mode.add_argument("--small-sweep", action="store_true", help="the sweep at the CPU shape, 16+16 tokens")
+    parser.add_argument("--hf", action="store_true", help="sweep: time HF generate instead of our engine")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="sweep: stop starting runs after this")
+    parser.add_argument("--batches", default="16,64,256", help="sweep batch sizes")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="sweep: our engine's formats")
     parser.add_argument("--repeats", type=int, default=3, help="CPU mode: timed runs (best is reported)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
-    if args.gpu_shape:
+    if args.hf and not (args.gpu_shape or args.small_sweep):
+        parser.error("--hf needs --gpu-shape or --small-sweep (the CPU mode already runs HF generate)")
+    if args.gpu_shape or args.small_sweep:
         batches = tuple(int(b) for b in args.batches.split(","))
-        report = gpu_benchmark(batches, 128, 256, args.budget_s)
+        shape, prompt, new = (GPU_SHAPE, 128, 256) if args.gpu_shape else (CPU_SHAPE, 16, 16)
+        if args.hf:  # JAX's backend stays untouched: its GPU allocator would compete with torch's
+            device = "cuda" if args.gpu_shape else "cpu"
+            report = hf_sweep(shape, batches, prompt, new, args.budget_s, device, args.json)
+        else:
+            formats = tuple(args.formats.split(","))
+            report = sweep(shape, batches, prompt, new, args.budget_s, formats, args.json)
     else:
         report = cpu_benchmark(32, 32, 64, args.repeats)
-    report["backend"] = jax.default_backend()
-    report["jax"] = jax.__version__
+    if not args.hf:
+        report |= {"backend": jax.default_backend(), "jax": jax.__version__}
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    _dump(report, args.json)
     return 0
 
 

@@ -14,7 +14,10 @@ one). Imports only jax, numpy, flax, optax, qarl_jax and aqtp (through the quant
 unchanged on the GPU machine.
 
     python benchmarks/train_step.py [--preset qwen3-small] [--batch 16] [--length 256]
-        [--dtype bfloat16] [--repeats 5] [--xla] [--json OUT]
+        [--dtype bfloat16] [--repeats 5] [--xla] [--json OUT] [--set hidden_size=2048 ...]
+
+``--set KEY=VALUE`` overrides any field of the preset's Qwen3Config (a larger model from a small
+preset); ``--json`` is rewritten after every format, so a run killed at a time limit keeps those.
 """
 
 from __future__ import annotations
@@ -70,6 +73,23 @@ def _time_updates(model, params, batch, repeats: int) -> tuple[float, float]:
     return first, 1e3 * float(np.median(times))
 
 
+def _override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON (numbers, true/false), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _write(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-tiny")
@@ -81,9 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--xla", action="store_true", help="also time the naive (plain XLA) step")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--set", type=_override, action="append", default=[], help="KEY=VALUE config override")
     args = ap.parse_args(argv)
 
-    overrides = {"dtype": args.dtype}
+    overrides = {"dtype": args.dtype, **dict(args.set)}
     if args.layers:
         overrides["num_hidden_layers"] = args.layers
     config = preset(args.preset, **overrides)
@@ -93,6 +114,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.xla:
         specs["xla"] = quant.QuantSpec(fmt="bf16", mode="naive")
     rows = {}
+    result = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "preset": args.preset,
+        "overrides": dict(args.set),
+        "layers": config.num_hidden_layers,
+        "batch": args.batch,
+        "length": args.length,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "steps": rows,
+    }
     for name, spec in specs.items():
         first, ms = _time_updates(Qwen3ForCausalLM(config, spec), params, batch, args.repeats)
         rows[name] = {
@@ -100,19 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
             "update_ms": ms,
             "tokens_per_s": args.batch * args.length / ms * 1e3,
         }
-    result = {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind,
-        "preset": args.preset,
-        "layers": config.num_hidden_layers,
-        "batch": args.batch,
-        "length": args.length,
-        "dtype": args.dtype,
-        "repeats": args.repeats,
-        "steps": rows,
-        "w4a16_over_bf16": rows["w4a16"]["update_ms"] / rows["bf16"]["update_ms"],
-    }
+        _write(result, args.json)
+    result["w4a16_over_bf16"] = rows["w4a16"]["update_ms"] / rows["bf16"]["update_ms"]
     print(
         f"jax {result['jax']} on {result['backend']} ({result['device']}), {args.preset}, "
         f"{config.num_hidden_layers} layers, batch {args.batch} x {args.length}, {args.dtype}, "
@@ -125,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {name:<6} | {r['update_ms']:>10.1f} | {r['tokens_per_s']:>10.0f} | {r['compile_s']:>13.1f} |"
         )
     print(f"w4a16 / bf16 step time: {result['w4a16_over_bf16']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    _write(result, args.json)
     return result
 
 

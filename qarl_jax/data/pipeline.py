@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -22,6 +21,9 @@ from qarl_jax.data.jsonl import JsonlSource
 from qarl_jax.data.records import Record, Rejected
 from qarl_jax.data.synthetic import SyntheticArithmetic
 from qarl_jax.data.templates import apply_template
+
+if TYPE_CHECKING:
+    import grain
 
 STATE_VERSION = 1
 
@@ -69,6 +71,8 @@ def build_dataset(
     config: DataConfig, source: Any, tokenizer: Tokenizer, shard_index: int = 0, shard_count: int = 1
 ) -> grain.MapDataset:
     """Records of this host's shard, shuffled (reshuffled each epoch), repeated, tokenised."""
+    import grain  # here, not at the top: the model, engine and config import this package without it
+
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
     ds = grain.MapDataset.source(source)[shard_index::shard_count]

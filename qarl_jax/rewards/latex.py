@@ -7,8 +7,6 @@ enforces a hard limit from outside. Nothing here evaluates the response as code.
 
 from __future__ import annotations
 
-from math_verify import parse, verify
-
 from qarl_jax.rewards.numbers import grade_number
 
 
@@ -25,6 +23,8 @@ def grade_math(response: str, answer: str, timeout_s: int = 5) -> float:
     """
     if grade_number(response, answer):
         return 1.0
+    from math_verify import parse, verify  # sympy-heavy: loaded by the grading workers that use it
+
     gold = parse(_as_latex(answer), parsing_timeout=timeout_s)
     pred = parse(response, parsing_timeout=timeout_s)
     return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout_s))

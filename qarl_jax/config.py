@@ -89,16 +89,19 @@ class RunConfig:
     output_dir: str = "runs/default"
     log_every: int = 1  # progress-bar refresh; every step is written to metrics.jsonl
     eval_every: int = 40  # 0: only before the first and after the last step
-    eval_prompts: int = 64  # held-out prompts (the data source under seed data.seed + 1), greedy
+    eval_prompts: int = 64  # held-out prompts (the test split; see qarl_jax.train.eval_set), greedy
+    eval_samples: int = 0  # k > 0: also k samples per held-out prompt at the rollout temperature (pass@k)
+    eval_bf16: bool = False  # also evaluate the master weights in the unquantized bf16 format
     checkpoint_every: int = 20  # 0: only at the end
     keep: int = 2  # checkpoints kept
     progress: bool = True
+    tensorboard: bool = True  # metrics also as TensorBoard scalars in <output_dir>/tb
 
     def __post_init__(self):
         if self.steps < 1 or self.log_every < 1 or self.eval_prompts < 1 or self.keep < 1:
             raise ValueError("steps, log_every, eval_prompts and keep must be >= 1")
-        if self.eval_every < 0 or self.checkpoint_every < 0:
-            raise ValueError("eval_every and checkpoint_every must be >= 0")
+        if self.eval_every < 0 or self.checkpoint_every < 0 or self.eval_samples < 0:
+            raise ValueError("eval_every, eval_samples and checkpoint_every must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

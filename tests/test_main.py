@@ -3,6 +3,8 @@ checkpoint from another config (exit 3), naming the key or the directory."""
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,14 @@ def test_main_trains_and_exports(tmp_path, capsys):
     model, params, tokenizer = from_pretrained(export)
     assert tokenizer.get_vocab_size() == model.config.vocab_size == 128
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_main_imports_no_heavy_optional_framework():
+    # TFDS sources import TensorFlow, the JetStream server JetStream, and the TensorBoard writer
+    # (tensorboardX, which imports torch where installed) only when a run uses them
+    code = "import sys, qarl_jax.main; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert not set(json.loads(out.replace("'", '"'))) & {"tensorflow", "jetstream", "tensorboardX", "torch"}
 
 
 def test_main_rejects_unknown_key(capsys):

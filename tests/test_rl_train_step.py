@@ -1,6 +1,8 @@
-"""The training step: aligned old log-probs, updates, the NaN guard, minibatches moving the policy,
-the sharded step equal to the single-device one, and TBPO raising a reward."""
+"""The training step: aligned old log-probs (scored in micro-batch chunks without changing a bit),
+updates, the NaN guard, minibatches moving the policy, the KL to the initial policy, the sharded step
+equal to the single-device one, and TBPO raising a reward."""
 
+import dataclasses
 import re
 
 import jax
@@ -50,9 +52,13 @@ def setup():
 
 
 def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
+    """Scored in 4 chunks (the micro-batches), the old log-probs still equal the rollout's bitwise."""
     model, params, batch = setup
     trainer = Trainer(
-        model, ObjectiveConfig(), TrainConfig(assert_aligned=True), OptimizerConfig(learning_rate=1e-3)
+        model,
+        ObjectiveConfig(),
+        TrainConfig(assert_aligned=True, micro_batches=4),
+        OptimizerConfig(learning_rate=1e-3),
     )
     state = trainer.init_state(params)
     truncated = np.ones(len(batch["advantages"]), np.float32)  # EOS ignored: every response hits NEW
@@ -71,6 +77,45 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
     assert float(m["is_weight_mean"]) == 1.0 and float(m["grad_norm"]) > 0
     moved = jax.tree.map(lambda a, b: bool((np.asarray(a) != np.asarray(b)).any()), state.params, params)
     assert any(jax.tree.leaves(moved))
+
+
+@pytest.mark.parametrize("mesh_cfg", [None, sharding.MeshConfig(data=2, fsdp=4)])
+def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
+    """Old log-probs and every rollout-batch metric scored in micro-batch chunks (4 on one device,
+    2 of one sequence per device on 8) equal one whole-batch forward's bit for bit; on the mesh,
+    every chunk's kernels run on each device's own rows, with no data moved between devices."""
+    model, params, batch = setup
+    batch = dict(batch, truncated=(np.arange(len(batch["advantages"])) % 3 == 0).astype(np.float32))
+    mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
+    p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
+    chunked = TrainConfig(num_minibatches=2, micro_batches=2 if mesh is None else 1)
+    results = []
+    for train in (TrainConfig(), chunked):
+        trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(), mesh=mesh)
+        results.append(trainer.old_logprobs_and_metrics(p, trainer.shard_batch(batch)))
+    (whole, whole_metrics), (old, metrics) = results
+    np.testing.assert_array_equal(old, whole)
+    assert metrics.keys() == whole_metrics.keys() and "truncation_rate" in metrics
+    for key in metrics:
+        np.testing.assert_array_equal(metrics[key], whole_metrics[key], err_msg=key)
+    if mesh is not None:
+        with trainer._context():
+            hlo = trainer._old_logprobs.lower(p, trainer.shard_batch(batch)).compile().as_text()
+        _assert_kernels_on_local_rows(hlo, model.config, 1, batch)
+        # the collectives are the forward's (weights gathered) and the metrics' sums, none the chunking's
+        names = COLLECTIVE.findall(hlo)
+        assert names and all("/while/body/" in n or "/reduce_" in n for n in names), names
+
+
+def test_chunking_errors(setup):
+    model, params, batch = setup
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(num_minibatches=3), OptimizerConfig())
+    with pytest.raises(ValueError, match="16 sequences does not split into .* = 3 micro-batches"):
+        trainer.old_logprobs(params, trainer.shard_batch(batch))
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4))
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(num_minibatches=4), OptimizerConfig(), mesh=mesh)
+    with pytest.raises(ValueError, match="micro-batches of 4 sequences .* do not split over the 8 devices"):
+        trainer.old_logprobs(params, trainer.shard_batch(batch))
 
 
 def test_nan_batch_is_skipped_without_touching_params(setup):
@@ -137,6 +182,48 @@ def test_micro_batches_accumulate_to_the_same_gradient(setup):
         np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
 
 
+def test_kl_to_the_initial_policy(setup):
+    """kl_coef = 0: no reference copy, no reference scoring, no KL metric. kl_coef > 0: the state
+    keeps the initial weights, frozen; at them the k3 term and its gradient are exactly 0 (the first
+    update is bitwise the kl_coef = 0 one), later updates see KL > 0, and the KL's gradient alone is
+    0 at the reference and, off it, descends back toward it."""
+    model, params, batch = setup
+    train, opt = TrainConfig(num_minibatches=2, ppo_epochs=2), OptimizerConfig(learning_rate=3e-3)
+    plain = Trainer(model, ObjectiveConfig(), train, opt)
+    state = plain.init_state(params)
+    assert state.ref_params is None
+    _, base = plain.train_on_rollouts(state, batch)
+    assert "kl_ref" not in base[0]
+
+    kl = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, opt)
+    state = kl.init_state(params)
+    at_init = kl.shard_batch(batch)
+    ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch["mask"]
+    np.testing.assert_array_equal(ref, kl.old_logprobs(state.params, at_init))
+    moved, history = kl.train_on_rollouts(state, batch)
+    assert float(history[0]["kl_ref"]) == 0.0
+    for key, value in base[0].items():
+        np.testing.assert_array_equal(history[0][key], value, err_msg=key)
+    assert all(float(m["kl_ref"]) > 0 for m in history[1:]), [float(m["kl_ref"]) for m in history]
+    jax.tree.map(np.testing.assert_array_equal, moved.ref_params, params)
+
+    # the KL term alone (zero advantages): a fresh optimizer on small steps
+    zero = dict(batch, advantages=np.zeros_like(batch["advantages"]))
+    pull = Trainer(
+        model, ObjectiveConfig(kl_coef=1.0), TrainConfig(ppo_epochs=2), OptimizerConfig(learning_rate=1e-4)
+    )
+    _, at_ref = pull.train_on_rollouts(pull.init_state(params), zero)
+    assert all(float(m["loss"]) == float(m["grad_norm"]) == 0.0 for m in at_ref)
+    off = dataclasses.replace(pull.init_state(moved.params), ref_params=moved.ref_params)
+    _, (before, after) = pull.train_on_rollouts(off, zero)
+    assert float(before["grad_norm"]) > 0 and 0 < float(after["kl_ref"]) < float(before["kl_ref"])
+    with pytest.raises(ValueError, match="no ref_logp"):
+        pull.update(off, pull.shard_batch(dict(zero, old_logp=zero["rollout_logp"])))
+
+
+COLLECTIVE = re.compile(
+    r"\b(?:all-to-all|collective-permute|all-gather|all-reduce)\([^\n]*?op_name=\"([^\"]+)\""
+)
 KERNEL_LOOP = re.compile(r"= \(s32\[\], (f32\[[\d,]+\])[^\n]*? while\(.*?op_name=\"([^\"]+)\"")
 
 

@@ -1,16 +1,48 @@
-"""The training loop on the smoke config: metrics per step, eval, weight sync to the engine."""
+"""The training loop on the smoke config: metrics per step, evals, weight sync to the engine."""
 
 import json
 import pathlib
+import struct
 
 import jax
 import numpy as np
 import pytest
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 
+from qarl_jax import quant, sharding
 from qarl_jax.config import load_config
-from qarl_jax.train import PACKAGE_DIR, model_dir, step_seed, train
+from qarl_jax.evaluation import Evaluator, eval_seed
+from qarl_jax.rewards import Grader
+from qarl_jax.train import (
+    PACKAGE_DIR,
+    MetricsLog,
+    build_engine,
+    build_policy,
+    build_tokenizer,
+    eval_set,
+    model_dir,
+    step_seed,
+    train,
+)
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
+
+
+def events(run_dir: pathlib.Path) -> list[Event]:
+    """The events of the run's TensorBoard files, file by file (TFRecord: length, its CRC, the
+    serialized Event, its CRC)."""
+    out = []
+    for f in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            out.append(Event.FromString(data[pos + 12 : pos + 12 + n]))
+            pos += 12 + n + 4
+    return out
+
+
+def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
+    return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,24 +56,75 @@ def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     # assert_aligned: the trainer raises unless its old log-probs equal the rollout's bit for bit,
     # which after the first update holds only if the engine got the updated weights
     config = load_config(SMOKE, [f"run.output_dir={tmp_path}", "run.steps=3", "run.eval_every=2",
-                                 "train.assert_aligned=true"])  # fmt: skip
+                                 "train.assert_aligned=true", "run.eval_samples=2",
+                                 "run.eval_bf16=true"])  # fmt: skip
     result = train(config)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" in lines[3]
-    assert "eval/accuracy" not in lines[1]
+    evals = ["eval/accuracy", "eval/response_length", "eval/pass@2", "eval/mean@2"]
+    evals += [k.replace("eval/", "eval_bf16/") for k in evals]
+    for m in (lines[0], lines[2], lines[3]):
+        assert all(0.0 <= m[k] <= 1.0 for k in evals if "length" not in k) and m["eval/response_length"] > 0
+    assert not any(k in lines[1] for k in evals)
     for m in lines[1:]:
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["train/skipped"] == 0.0
         assert m["train/is_weight_mean"] == 1.0 and m["response_length"] > 0
         assert all(np.isfinite(v) for v in m.values())
     assert any(m["train/grad_norm"] > 0 for m in lines[1:])
+    # TensorBoard holds every number of every line, at its step (as float32; tags allow no "@")
+    expected = {
+        (m["step"], k.replace("@", "_")): np.float32(v) for m in lines for k, v in m.items() if k != "step"
+    }
+    assert scalars(tmp_path) == expected
     assert int(result.state.step) == 3  # one optimizer update per step with the default train config
     assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 3
+
+
+def test_evals_repeat_and_bf16_eval_of_a_bf16_run_equals_the_deployed_eval():
+    # the run's format is bf16, so the deployed engine and the eval_bf16 engine (built apart, over
+    # the master weights as they are) run the same weights in the same format: equal figures
+    config = load_config(SMOKE, ["quant.fmt=bf16", "run.eval_samples=3", "run.eval_bf16=true",
+                                 "run.eval_prompts=4"])  # fmt: skip
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = build_tokenizer(config)
+    with sharding.activate(mesh, config.mesh.rules), Grader(1) as grader:
+        model, params = build_policy(config, mesh)
+        engine = build_engine(config, model, quant.quantize_params(params, config.quant), tokenizer, mesh)
+        held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
+        evaluate = Evaluator(config, engine, tokenizer, grader, held_out, params)
+        first, again = evaluate(params), evaluate(params)
+    assert first == again  # a fixed sampling seed: the same weights give the same pass@k
+    deployed = {k: v for k, v in first.items() if k.startswith("eval/")}
+    assert set(deployed) == {"eval/accuracy", "eval/response_length", "eval/pass@3", "eval/mean@3"}
+    assert deployed == {
+        k.replace("eval_bf16/", "eval/"): v for k, v in first.items() if k.startswith("eval_bf16/")
+    }
+    assert 0.0 <= first["eval/mean@3"] <= first["eval/pass@3"] <= 1.0
+
+
+def test_metrics_log_resume_truncates_jsonl_and_purges_tensorboard(tmp_path):
+    log = MetricsLog(tmp_path, 0)
+    for step in range(4):
+        log.write({"step": step, "loss": float(step), "note": "text is not a scalar"})
+    log.close()
+    log = MetricsLog(tmp_path, 2)  # resumed from the step-2 checkpoint: steps 3.. are written again
+    log.write({"step": 3, "loss": 30.0})
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["loss"]) for m in lines] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert set(scalars(tmp_path)) == {(step, "loss") for step in range(4)}
+    # the resumed file starts with a restart at step 3: TensorBoard drops the first file's step 3
+    restarts = [e.step for e in events(tmp_path) if e.session_log.status == SessionLog.START]
+    assert restarts == [3]
+    (tmp_path / "off").mkdir()
+    assert MetricsLog(tmp_path / "off", 0, tensorboard=False).tensorboard is None
+    assert not (tmp_path / "off" / "tb").exists()
 
 
 def test_step_seeds_differ_and_repeat():
     seeds = {step_seed(0, s) for s in range(100)} | {step_seed(1, s) for s in range(100)}
     assert len(seeds) == 200 and step_seed(3, 7) == step_seed(3, 7) and max(seeds) < 2**31
+    assert eval_seed(0) not in seeds and eval_seed(0) == eval_seed(0) != eval_seed(1)
 
 
 def test_package_paths_resolve_inside_the_package():

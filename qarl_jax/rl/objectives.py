@@ -68,6 +68,10 @@ class ObjectiveConfig:
             raise ValueError(f"{self.name} is sequence-level: its mismatch correction must be sequence-level")
         if self.correction_cap <= 0 or self.dual_clip <= 1:
             raise ValueError("correction_cap must be > 0 and dual_clip > 1")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(
+                f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}"
+            )
 
     @property
     def eps(self) -> tuple[float, float]:

@@ -6,27 +6,35 @@ optimizer updates for ``ppo_epochs`` epochs, each accumulating gradients over ``
 The master weights stay float; the forward is the one ``qarl_jax.rl.logprobs`` defines for the
 model's spec (aligned: quantized kernels with a straight-through backward; naive: full precision).
 
+Scoring runs in chunks of the update's micro-batch rows, so one chunk's logits and f32 log-softmax
+are alive at a time, not the whole batch's (the memory peak otherwise); every kernel is
+row-invariant, so the chunking changes no bit. With ``objective.kl_coef`` the state also holds a
+frozen copy of the initial weights, the reference, scored the same way once per rollout batch for
+the loss's KL term; without it there is no copy and no reference scoring.
+
 Metrics, one flat dict per update, all computed on device. Per update: the objective's
 (``loss``, ``policy_loss``, ``clip_frac``, ``band_mask_frac``, ``ratio_*``, ``is_weight_*``,
-``correction_frac``, ``entropy`` when ``entropy_coef`` is set), ``grad_norm``, ``update_ratio``
-(|update| / |weights|), ``skipped`` and, with ``error_token_grad_share``, ``error_grad_share``.
-Per rollout batch (from the old-log-prob forward, repeated in each of its updates'
-dicts): ``policy_entropy``, ``response_len_mean``/``_max``, ``truncation_rate`` (when the batch
-holds ``truncated``), the alignment statistics ``mismatch_*`` (old vs rollout log-probs) and the
-error-token fractions ``repetition_frac``, ``low_prob_token_frac``, ``error_seq_frac``
-(:mod:`qarl_jax.rl.metrics` defines the rules).
+``correction_frac``, ``entropy`` when ``entropy_coef`` is set, ``kl_ref`` when ``kl_coef`` is),
+``grad_norm``, ``update_ratio`` (|update| / |weights|), ``skipped`` and, with
+``error_token_grad_share``, ``error_grad_share``. Per rollout batch (from the old-log-prob
+forward, repeated in each of its updates' dicts): ``policy_entropy``, ``response_len_mean``/``_max``,
+``truncation_rate`` (when the batch holds ``truncated``), the alignment statistics ``mismatch_*``
+(old vs rollout log-probs) and the error-token fractions ``repetition_frac``,
+``low_prob_token_frac``, ``error_seq_frac`` (:mod:`qarl_jax.rl.metrics` defines the rules).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
@@ -36,6 +44,7 @@ from qarl_jax.rl.logprobs import policy_logprobs, policy_logprobs_and_entropy
 from qarl_jax.rl.objectives import ObjectiveConfig, compute_loss
 
 Batch = Mapping[str, jax.Array]
+FORWARD_KEYS = ("tokens", "positions", "segment_ids", "targets")
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask", "rollout_logp", "advantages")
 OPTIONAL_KEYS = ("truncated",)  # [N], 1 where the rollout stopped at the length limit
 
@@ -112,6 +121,7 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     step: jax.Array
+    ref_params: dict | None = None  # the initial weights, never updated: the KL reference (kl_coef only)
 
 
 def _split(batch: Batch, parts: int) -> Batch:
@@ -120,6 +130,14 @@ def _split(batch: Batch, parts: int) -> Batch:
     if n % parts:
         raise ValueError(f"a batch of {n} sequences does not split into {parts} equal parts")
     return {k: v.reshape(parts, n // parts, *v.shape[1:]) for k, v in batch.items()}
+
+
+def _host(x) -> np.ndarray:
+    """All of ``x`` on this host (all-gathered when it spans other processes' devices: every
+    process calls this together)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
 
 
 class Trainer:
@@ -138,7 +156,9 @@ class Trainer:
         self.tx = make_optimizer(optimizer)
         # the error sequences' share of the gradient: their policy-gradient terms alone
         self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
+        self._kl = bool(objective.kl_coef)
         self._old_logprobs = jax.jit(self._old_logprobs_impl)
+        self._ref_logprobs = jax.jit(self._ref_logprobs_impl) if self._kl else None
         self._update = jax.jit(self._update_impl, donate_argnums=(0,))
 
     def _forward(self, params, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
@@ -153,7 +173,8 @@ class Trainer:
     def _loss(out, batch: Batch, objective: ObjectiveConfig):
         logp, entropy = out
         old, rollout, adv, mask = batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["mask"]
-        return compute_loss(logp, old, rollout, adv, mask, objective, entropy=entropy)
+        ref = batch.get("ref_logp")
+        return compute_loss(logp, old, rollout, adv, mask, objective, ref_logp=ref, entropy=entropy)
 
     def _grads(self, params, batch: Batch):
         """Loss, metrics and gradients of one micro-batch; with ``error_token_grad_share`` also the
@@ -174,11 +195,13 @@ class Trainer:
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
     def init_state(self, params) -> TrainState:
-        """A fresh state on a copy of ``params`` (updates donate the state's buffers)."""
+        """A fresh state on a copy of ``params`` (updates donate the state's buffers); with
+        ``objective.kl_coef`` a second copy is the reference."""
         with self._context():
             params = jax.tree.map(lambda x: x.copy(), params)
+            ref = jax.tree.map(lambda x: x.copy(), params) if self._kl else None
             opt_state = jax.jit(self.tx.init)(params)
-        return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+        return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32), ref_params=ref)
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Place a host batch with its sequences split over the mesh's batch axes."""
@@ -188,10 +211,46 @@ class Trainer:
         spec = lambda v: PartitionSpec(axes, *([None] * (np.ndim(v) - 1)))  # noqa: E731
         return {k: jax.device_put(v, NamedSharding(self.mesh, spec(v))) for k, v in batch.items()}
 
+    def _score_rows(self, n: int) -> int:
+        """Sequences per scoring forward: the update's micro-batch, which must split over the mesh's
+        batch axes (a chunk that does not would be replicated on every device)."""
+        parts = self.train.num_minibatches * self.train.micro_batches
+        if n % parts:
+            raise ValueError(
+                f"a rollout batch of {n} sequences does not split into train.num_minibatches x "
+                f"train.micro_batches = {parts} micro-batches (old log-probs are scored per micro-batch)"
+            )
+        rows, ways = n // parts, 1
+        if self.mesh is not None:
+            axes = dict(self.rules)["batch"]
+            ways = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        if rows % ways:
+            raise ValueError(
+                f"micro-batches of {rows} sequences (scoring chunks) do not split over the {ways} devices "
+                "of the mesh's batch axes"
+            )
+        return rows
+
+    def _chunked(self, score, params, batch: Batch):
+        """``score(model, params, tokens, positions, segment_ids, targets, temperature)`` over the
+        batch in chunks of :meth:`_score_rows`, outputs back in row order. Chunk c of C holds rows
+        c, c + C, c + 2C, ...: the rows sit on the devices in contiguous blocks, so every chunk is a
+        slice of each device's own rows (no resharding); one chunk's shape, one compile."""
+        n = batch["tokens"].shape[0]
+        chunks = n // self._score_rows(n)
+        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)  # noqa: E731
+        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])  # noqa: E731
+
+        def one(chunk):
+            return score(self.model, params, *(chunk[k] for k in FORWARD_KEYS), self.train.temperature)
+
+        out = jax.lax.map(one, {k: split(batch[k]) for k in FORWARD_KEYS})
+        return jax.tree.map(merge, out)
+
     def _old_logprobs_impl(self, params, batch):
-        """Old log-probs and the rollout batch's metrics, from one forward."""
-        args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["targets"])
-        logp, entropy = policy_logprobs_and_entropy(self.model, params, *args, self.train.temperature)
+        """Old log-probs and the rollout batch's metrics; the metrics over the reassembled batch, so
+        they are those of one whole-batch forward, bit for bit."""
+        logp, entropy = self._chunked(policy_logprobs_and_entropy, params, batch)
         mask = batch["mask"]
         old = jax.lax.stop_gradient(logp) * mask
         stats = dict(
@@ -203,6 +262,10 @@ class Trainer:
             stats.update(rl_metrics.error_token_stats(self.train.error_flags(batch), mask))
         return old, stats
 
+    def _ref_logprobs_impl(self, ref_params, batch):
+        # not masked: the loss's exp(ref - logp) stays finite on padding (0 there could overflow)
+        return jax.lax.stop_gradient(self._chunked(policy_logprobs, ref_params, batch))
+
     def old_logprobs(self, params, batch: Batch) -> jax.Array:
         """Old-policy log-probs [N, T] (0 outside the mask)."""
         return self.old_logprobs_and_metrics(params, batch)[0]
@@ -211,6 +274,16 @@ class Trainer:
         """Old-policy log-probs [N, T] and the per-rollout-batch metrics (see the module doc)."""
         with self._context():
             return self._old_logprobs(params, batch)
+
+    def ref_logprobs(self, state: TrainState, batch: Batch) -> jax.Array:
+        """The reference policy's log-probs [N, T] (``objective.kl_coef`` only), scored like the old
+        ones: at the initial weights bitwise equal to them on the response tokens."""
+        if self._ref_logprobs is None:
+            raise ValueError("reference log-probs exist only with objective.kl_coef set")
+        if state.ref_params is None:
+            raise ValueError("objective.kl_coef needs the reference weights: build the state with init_state")
+        with self._context():
+            return self._ref_logprobs(state.ref_params, batch)
 
     def _update_impl(self, state: TrainState, batch: Batch):
         micro = _split(batch, self.train.micro_batches)
@@ -230,7 +303,8 @@ class Trainer:
         updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = TrainState(
+        new_state = dataclasses.replace(  # the reference (if any) passes through
+            state,
             params=keep(new_params, state.params),
             opt_state=keep(new_opt, state.opt_state),
             step=state.step + finite.astype(jnp.int32),
@@ -247,7 +321,10 @@ class Trainer:
         return new_state, metrics
 
     def update(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        """One optimizer update on one minibatch (which must hold ``old_logp``)."""
+        """One optimizer update on one minibatch (which must hold ``old_logp``, and ``ref_logp`` with
+        ``objective.kl_coef``: without it the loss would silently drop the KL term)."""
+        if self._kl and "ref_logp" not in batch:
+            raise ValueError("objective.kl_coef is set but the minibatch has no ref_logp (see ref_logprobs)")
         with self._context():
             return self._update(state, batch)
 
@@ -258,8 +335,12 @@ class Trainer:
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise ValueError(f"rollout batch lacks {missing}; it needs {BATCH_KEYS}")
-        old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, self.shard_batch(batch))
+        sharded = self.shard_batch(batch)
+        old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, sharded)
         batch = dict(batch, old_logp=old_logp)
+        if self._kl:
+            batch["ref_logp"] = self.ref_logprobs(state, sharded)
+        batch = {k: _host(v) for k, v in batch.items()}  # minibatches are cut on the host
         if self.train.assert_aligned:
             mask = np.asarray(batch["mask"]) > 0
             old, rollout = np.asarray(batch["old_logp"])[mask], np.asarray(batch["rollout_logp"])[mask]

@@ -174,26 +174,27 @@ class RolloutEngine:
         )
 
     def init_decode_state(self) -> DecodeState:
-        """A fresh state: zeroed cache (compute dtype), every slot empty."""
+        """A fresh state on the engine's mesh (not the caller's): zeroed cache (compute dtype),
+        every slot empty."""
         c, s = self.config, self.config.slots
         with self.context():
             cache = KVCache.init(self.model.config, s, c.max_len)
             if self.mesh is not None:
                 cache = jax.device_put(cache, self._cache_sharding(cache.k.shape))
-        zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  (distinct buffers: all are donated)
-        return DecodeState(
-            cache=cache,
-            tokens=zeros(),
-            positions=zeros(),
-            keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
-            generated=zeros(),
-            max_new=zeros(),
-            stop_on_eos=jnp.ones((s,), bool),
-            done=jnp.ones((s,), bool),
-            temperature=jnp.ones((s,), jnp.float32),
-            top_p=jnp.ones((s,), jnp.float32),
-            top_k=zeros(),
-        )
+            zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  (distinct buffers: all are donated)
+            return DecodeState(
+                cache=cache,
+                tokens=zeros(),
+                positions=zeros(),
+                keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
+                generated=zeros(),
+                max_new=zeros(),
+                stop_on_eos=jnp.ones((s,), bool),
+                done=jnp.ones((s,), bool),
+                temperature=jnp.ones((s,), jnp.float32),
+                top_p=jnp.ones((s,), jnp.float32),
+                top_k=zeros(),
+            )
 
     def allocate(self) -> DecodeState:
         """(Re)allocate ``self.state`` if it was released."""

@@ -25,7 +25,8 @@ V: vocabulary, H: hidden size, L: layers, rows: sequences per device):
 
   rollout      prefill of EngineConfig.max_prefill_batch prompts of data.max_prompt_tokens:
                rows x tokens x (a x c + V x c + a layer-stack's K/V) + W
-  scoring      old log-probs, one forward over the whole rollout batch (not micro-batched):
+  scoring      old log-probs (and the reference's with objective.kl_coef), one forward per
+               chunk of the update's micro-batch rows, one chunk's logits alive at a time:
                rows x max_len x (a x c + V x (c + 4)) + W
   update       one micro-batch: rows x max_len x (S x c + V x (c + 4)) + 2 W, with
                S = sum of a over layers + max a (no remat) or L x H + 2 max a (train.remat)
@@ -62,7 +63,7 @@ from qarl_jax.train import model_dir
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
-PERSISTENT = ("params", "frozen", "optimizer", "gradients", "kv_cache")
+PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cache")
 PHASES = ("rollout", "scoring", "update")
 
 
@@ -165,7 +166,8 @@ def _rows(sequences: int, ways: int, what: str) -> int:
 
 
 def _batch_sizes(config: Config, ways: int) -> dict[str, int]:
-    """Sequences per device of the training micro-batch and of the scoring forward."""
+    """Sequences per device of the training micro-batch and of one scoring forward: the same, as
+    the trainer scores old log-probs in micro-batch chunks."""
     n = config.data.batch_size * config.rollout.samples_per_prompt
     parts = config.train.num_minibatches * config.train.micro_batches
     if n % parts:
@@ -173,10 +175,8 @@ def _batch_sizes(config: Config, ways: int) -> dict[str, int]:
             f"a rollout batch of {n} sequences (data.batch_size x rollout.samples_per_prompt) does not "
             f"split into train.num_minibatches x train.micro_batches = {parts} micro-batches"
         )
-    return dict(
-        micro=_rows(n // parts, ways, "a train micro-batch (rollout batch / minibatches / micro-batches)"),
-        scoring=_rows(n, ways, "the rollout batch (data.batch_size x rollout.samples_per_prompt)"),
-    )
+    micro = _rows(n // parts, ways, "a train micro-batch (rollout batch / minibatches / micro-batches)")
+    return dict(micro=micro, scoring=micro)
 
 
 def plan(
@@ -211,6 +211,7 @@ def plan(
     param_bytes = _tree_bytes(params, specs, mesh)
     persistent = dict(
         params=param_bytes,
+        reference=param_bytes if config.objective.kl_coef else 0,  # frozen initial policy for the KL term
         frozen=_tree_bytes(frozen, specs, mesh),
         optimizer=_tree_bytes(opt_state, specs, mesh),
         gradients=2 * param_bytes,
@@ -263,12 +264,15 @@ def format_plan(p: dict[str, Any], config: Config) -> str:
     rows = p["rows"]
     how = dict(
         params=f"{m.param_dtype} master",
+        reference="initial policy (objective.kl_coef > 0)"
+        if config.objective.kl_coef
+        else "none (kl_coef = 0)",
         frozen=f"{config.quant.fmt} rollout weights",
         optimizer=config.optimizer.name,
         gradients=f"2 x {m.param_dtype}",
         kv_cache=f"{r.slots} slots x {r.max_len} tokens, {m.compute_dtype}",
         rollout=f"prefill {rows['prefill']} x {rows['prefill_tokens']} tokens",
-        scoring=f"old log-probs, {rows['scoring']} x {r.max_len} tokens",
+        scoring=f"old log-probs, chunks of {rows['scoring']} x {r.max_len} tokens",
         update=f"micro-batch {rows['micro']} x {r.max_len} tokens" + (", remat" if t.remat else ""),
     )
     b = p["bytes"]

@@ -1,0 +1,122 @@
+"""``python -m qarl_jax.experiments.replicate [--arms A,B] [--seeds 0,1,2] [--quick]``
+
+The paper's central comparison at a size that runs on two CPU cores: the same starting policy
+(``qarl_jax/assets/policy_long``, fine-tuned in full precision, never quantized), the same data and
+the same number of RL steps, with several minibatch updates per rollout batch, under five arms:
+
+- ``bf16``: bf16 rollouts, bf16 training, GRPO (the upper reference);
+- ``quantized-rollout``: w4a16 rollouts, full-precision training forward, GRPO;
+- ``quantized-rollout+tis``: the same with token-level truncated importance sampling (FlashRL);
+- ``qarl-grpo``: the aligned w4a16 forward (rollout and training log-probs bitwise equal), GRPO;
+- ``qarl-tbpo``: the aligned w4a16 forward, TBPO (the paper's method).
+
+Each (arm, seed) is one ordinary training run (``configs/replication.yaml`` plus the arm's
+overrides) in ``OUT/runs/<arm>/seed<k>/``; a finished run leaves ``run_summary.json`` there and is
+skipped next time, an interrupted one resumes from its checkpoint, so the grid can be completed
+across sessions. After every run ``OUT/summary.json`` and ``OUT/summary.md`` are rewritten from all
+finished runs (``--summarize`` recomputes them without training). ``--quick``: one seed, a few
+steps, into ``results/replication-quick`` (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from qarl_jax.config import ConfigError, load_config
+from qarl_jax.experiments.summary import run_summary, write_summary
+from qarl_jax.train import train
+
+ARMS: dict[str, list[str]] = {
+    "bf16": ["quant.fmt=bf16", "objective.name=grpo"],
+    "quantized-rollout": ["quant.fmt=w4a16", "quant.mode=naive", "objective.name=grpo"],
+    "quantized-rollout+tis": [
+        "quant.fmt=w4a16",
+        "quant.mode=naive",
+        "objective.name=grpo",
+        "objective.correction=tis",
+        "objective.correction_level=token",
+    ],
+    "qarl-grpo": ["quant.fmt=w4a16", "objective.name=grpo"],
+    "qarl-tbpo": ["quant.fmt=w4a16", "objective.name=tbpo"],
+}
+BASE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "replication.yaml"
+QUICK = ["run.steps=3", "run.eval_every=0", "run.eval_prompts=16", "run.checkpoint_every=0"]
+
+
+def run_dir(out: pathlib.Path, arm: str, seed: int) -> pathlib.Path:
+    return out / "runs" / arm / f"seed{seed}"
+
+
+def resummarize(out: pathlib.Path) -> None:
+    """Recompute every finished run's ``run_summary.json`` from its metrics (keeping its wall time),
+    after the figures in :mod:`qarl_jax.experiments.summary` change."""
+    for done in sorted(out.glob("runs/*/seed*/run_summary.json")):
+        old = json.loads(done.read_text())
+        fresh = run_summary(done.parent, old["arm"], old["seed"]) | {"wall_s": old["wall_s"]}
+        done.write_text(json.dumps(fresh, indent=2) + "\n")
+
+
+def run_one(out: pathlib.Path, arm: str, seed: int, extra: list[str]) -> dict:
+    """Train one (arm, seed) unless its summary exists; return the run's summary."""
+    directory = run_dir(out, arm, seed)
+    done = directory / "run_summary.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    overrides = [*ARMS[arm], f"seed={seed}", f"run.output_dir={directory}", *extra]
+    config = load_config(BASE_CONFIG, overrides)
+    start = time.perf_counter()
+    train(config)
+    summary = run_summary(directory, arm, seed) | {"wall_s": time.perf_counter() - start}
+    done.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qarl_jax.experiments.replicate", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
+    parser.add_argument("--quick", action="store_true", help="one seed, 3 steps: a smoke test")
+    parser.add_argument("--out", help="results folder (default results/replication[-quick])")
+    parser.add_argument("--summarize", action="store_true", help="only recompute the summaries (no training)")
+    parser.add_argument("overrides", nargs="*", help="key=value applied to every arm, e.g. run.steps=50")
+    args = parser.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arm {unknown[0]!r}; available: {list(ARMS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if args.quick:
+        seeds = seeds[:1]
+    out = pathlib.Path(args.out or ("results/replication-quick" if args.quick else "results/replication"))
+    if args.summarize:
+        if not any(out.glob("runs/*/seed*/run_summary.json")):
+            parser.error(f"--summarize: no finished runs under {out}/runs")
+        resummarize(out)
+        print(write_summary(out, list(ARMS))["verdict"]["text"])
+        return 0
+    extra = [*(QUICK if args.quick else []), *args.overrides]
+    grid = [(arm, seed) for seed in seeds for arm in arms]
+    for i, (arm, seed) in enumerate(grid, 1):
+        print(f"[{i}/{len(grid)}] arm={arm} seed={seed} -> {run_dir(out, arm, seed)}", flush=True)
+        try:
+            summary = run_one(out, arm, seed, extra)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({k: summary[k] for k in ("final_accuracy", "best_accuracy", "reward_gain")}))
+        write_summary(out, list(ARMS))
+    print((out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Per-run and per-arm figures of the replication experiment, from the runs' ``metrics.jsonl``.
+
+Per run: held-out greedy accuracy of the policy as deployed (final, best, and the mean over the
+evals after step 0, which shows how fast it learned; the bf16 accuracy of the same weights beside
+it), reward gain (mean of the last 20% of steps minus the first 20%), rollout-vs-training mismatch
+(k3 KL, mean over steps), policy entropy, error-sequence rate, collapse (the deployed accuracy
+ending more than 50% below its peak) and seconds per step. Per arm: mean and
+standard deviation over the finished seeds. The verdict compares the arms the paper compares.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from qarl_jax import runlog
+from qarl_jax.runlog import RunLog, load_run
+
+# Average pass@1 on math benchmarks, from ../shared/notes/paper.md (secondary accounts of the paper)
+PAPER = {
+    "Qwen3-8B-Base (GRPO)": {"bf16": 51.8, "quantized-rollout": 43.9, "qarl-tbpo": 48.9},
+    "Qwen3-30B-A3B-Base (GSPO)": {"bf16": 52.1, "quantized-rollout": 45.7, "qarl-tbpo": 51.2},
+    "Qwen2.5-Math-7B": {"bf16": 43.3, "quantized-rollout": 40.9, "qarl-tbpo": 43.5},
+    "Qwen2.5-Math-1.5B": {"bf16": 34.5, "quantized-rollout": 29.3, "qarl-tbpo": 33.9},
+}
+FIGURES = (
+    "final_accuracy",
+    "best_accuracy",
+    "mean_accuracy",
+    "final_accuracy_bf16",
+    "reward_gain",
+    "mismatch_kl",
+    "entropy",
+    "error_seq_frac",
+    "collapsed",
+    "step_s",
+)
+COLLAPSE_FRACTION = 0.5
+
+
+def _mean(run: RunLog, key: str) -> float | None:
+    values = run.series(key)[1]
+    return float(np.nanmean(values)) if len(values) else None
+
+
+def run_summary(directory: pathlib.Path, arm: str, seed: int) -> dict:
+    """The figures of one finished run."""
+    run = load_run(directory)
+    base = runlog.summary(run)
+    eval_steps, accuracy = run.series("eval/accuracy")
+    bf16 = base["eval_bf16_final"]
+    peak = float(accuracy.max())
+    return {
+        "arm": arm,
+        "seed": seed,
+        "steps": base["steps"],
+        "initial_accuracy": float(accuracy[0]),
+        "final_accuracy": float(accuracy[-1]),
+        "best_accuracy": peak,
+        "mean_accuracy": float(accuracy[1:].mean()) if len(accuracy) > 1 else float(accuracy[0]),
+        "final_accuracy_bf16": None if np.isnan(bf16) else bf16,
+        "eval_curve": [[int(s), float(a)] for s, a in zip(eval_steps, accuracy, strict=True)],
+        "reward_first": base["reward_first"],
+        "reward_last": base["reward_last"],
+        "reward_gain": base["reward_last"] - base["reward_first"],
+        "mismatch_kl": _mean(run, "train/mismatch_kl_k3"),
+        "entropy": _mean(run, "train/policy_entropy"),
+        "error_seq_frac": _mean(run, "train/error_seq_frac"),
+        "collapsed": bool(peak > 0 and accuracy[-1] < (1 - COLLAPSE_FRACTION) * peak),
+        "step_s": _mean(run, "time/step_s"),
+    }
+
+
+def arm_table(runs: list[dict], arms: list[str]) -> dict[str, dict]:
+    """Mean and standard deviation over seeds of every figure, per arm with finished runs."""
+    table = {}
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        if not mine:
+            continue
+        row: dict = {"seeds": sorted(r["seed"] for r in mine)}
+        for key in FIGURES:
+            values = [float(r[key]) for r in mine if r[key] is not None]
+            if values:
+                row[key] = {"mean": float(np.mean(values)), "std": float(np.std(values))}
+        table[arm] = row
+    return table
+
+
+def verdict(table: dict[str, dict]) -> dict:
+    """The paper's ordering, bf16 ~ qarl-tbpo > quantized-rollout, tested on final deployed accuracy."""
+    acc = {arm: row["final_accuracy"]["mean"] for arm, row in table.items() if "final_accuracy" in row}
+    needed = ("bf16", "quantized-rollout", "qarl-tbpo")
+    if not all(a in acc for a in needed):
+        return {"complete": False, "text": f"not enough arms finished for the comparison (need {needed})"}
+    gain = acc["qarl-tbpo"] - acc["quantized-rollout"]
+    gap = acc["bf16"] - acc["qarl-tbpo"]
+    recovered = (
+        gain / (acc["bf16"] - acc["quantized-rollout"]) if acc["bf16"] != acc["quantized-rollout"] else None
+    )
+    reproduced = gain > 0 and acc["bf16"] > acc["quantized-rollout"] and gap < gain
+    text = (
+        f"final deployed accuracy: bf16 {acc['bf16']:.3f}, quantized-rollout {acc['quantized-rollout']:.3f}, "
+        f"qarl-tbpo {acc['qarl-tbpo']:.3f} (qarl-tbpo {gain:+.3f} over quantized-rollout, "
+        f"{gap:+.3f} below bf16). "
+        + (
+            "The paper's ordering was reproduced."
+            if reproduced
+            else "The paper's ordering was NOT reproduced."
+        )
+    )
+    return {
+        "complete": True,
+        "reproduced": reproduced,
+        "qarl_tbpo_minus_quantized_rollout": gain,
+        "bf16_minus_qarl_tbpo": gap,
+        "fraction_of_gap_recovered": recovered,
+        "text": text,
+    }
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    if key not in row:
+        return "-"
+    m, s = row[key]["mean"], row[key]["std"]
+    return f"{m:{fmt}} ± {s:{fmt.lstrip('+')}}" if len(row["seeds"]) > 1 else f"{m:{fmt}}"
+
+
+def markdown(table: dict[str, dict], result: dict) -> str:
+    head = (
+        "| arm | seeds | final acc. (deployed) | best acc. | mean acc. over evals | final acc. bf16 weights "
+        "| reward gain "
+        "| mismatch KL (k3) | entropy | error seqs | collapsed runs | s/step |"
+    )
+    lines = [head, "| " + " | ".join(["---"] * 12) + " |"]
+    for arm, row in table.items():
+        collapsed = f"{row['collapsed']['mean'] * len(row['seeds']):.0f}/{len(row['seeds'])}"
+        cells = [
+            arm,
+            ",".join(map(str, row["seeds"])),
+            _cell(row, "final_accuracy", ".3f"),
+            _cell(row, "best_accuracy", ".3f"),
+            _cell(row, "mean_accuracy", ".3f"),
+            _cell(row, "final_accuracy_bf16", ".3f"),
+            _cell(row, "reward_gain", "+.3f"),
+            _cell(row, "mismatch_kl", ".2e"),
+            _cell(row, "entropy", ".3f"),
+            _cell(row, "error_seq_frac", ".3f"),
+            collapsed,
+            _cell(row, "step_s", ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + result["text"] + "\n"
+
+
+def write_summary(out: pathlib.Path, arms: list[str]) -> dict:
+    """Rewrite ``summary.json`` and ``summary.md`` from every finished run under ``out/runs``."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/*/seed*/run_summary.json"))]
+    table = arm_table(runs, arms)
+    result = verdict(table)
+    summary = {"arms": table, "verdict": result, "runs": runs, "paper": PAPER}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown(table, result))
+    plot(out, [a for a in arms if a in table], runs)
+    return summary
+
+
+def _curves(out: pathlib.Path, arm: str, runs: list[dict], key: str, smooth: int = 1):
+    """Steps and per-seed values of ``key`` for one arm (seeds cut to the shortest run)."""
+    series = []
+    for r in runs:
+        if r["arm"] == arm:
+            steps, values = load_run(out / "runs" / arm / f"seed{r['seed']}").series(key)
+            series.append((steps, runlog.rolling_mean(values, smooth) if smooth > 1 else values))
+    n = min(len(s) for s, _ in series)
+    return series[0][0][:n], np.stack([v[:n] for _, v in series])
+
+
+def plot(out: pathlib.Path, arms: list[str], runs: list[dict]) -> None:
+    """``summary.png``: deployed held-out accuracy, reward and mismatch per arm (mean, seed range)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("eval/accuracy", "held-out accuracy, policy as deployed", 1),
+        ("reward_mean", "rollout reward (rolling mean, 10 steps)", 10),
+        ("train/mismatch_kl_k3", "rollout vs training mismatch, KL k3", 1),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (key, title, smooth) in zip(axes, panels, strict=True):
+        for arm in arms:
+            steps, values = _curves(out, arm, runs, key, smooth)
+            line = ax.plot(steps, values.mean(0), label=f"{arm} ({len(values)} seeds)")[0]
+            if len(values) > 1:
+                ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.15)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+    axes[2].set_yscale("symlog", linthresh=1e-6)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "summary.png", dpi=90)
+    plt.close(fig)

@@ -1,0 +1,139 @@
+"""Two processes (2 CPU devices each, gloo collectives) train one policy through the CLI.
+
+What a broken split would get wrong, and what is checked here: both processes log the same
+numbers (reduced over hosts); the training batch holds both hosts' rows (the host-side mean
+response length, gathered, equals the one the jitted step computes over the global batch); the
+eval, split over the hosts, equals one process evaluating every prompt; the checkpoint both
+processes wrote holds the weights process 0 exported; process 0 alone writes the logs; and a
+single process refuses to resume the two-process run.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from qarl_jax import quant, sharding
+from qarl_jax.checkpoint import Checkpointer
+from qarl_jax.config import load_config, to_dict
+from qarl_jax.evaluation import Evaluator
+from qarl_jax.main import main
+from qarl_jax.models import from_pretrained
+from qarl_jax.rewards import Grader
+from qarl_jax.rl.train_step import Trainer
+from qarl_jax.train import build_engine, build_policy, build_tokenizer, eval_set
+
+REPO = pathlib.Path(__file__).parents[1]
+SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
+# fsdp over all 4 devices: the weights are sharded across the two hosts (the engines all-gather
+# them, the checkpoint is written in pieces by both processes, the export gathers them)
+OVERRIDES = ["run.steps=2", "run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def summary(stdout: str) -> dict:
+    """The summary JSON main prints last (gloo's connection notes may precede it)."""
+    return json.JSONDecoder().raw_decode(stdout, stdout.index('{\n  "run_dir"'))[0]
+
+
+def without_time(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multihost")
+    run, export = out / "run", out / "hf"
+    port = free_port()
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONUNBUFFERED="1",
+    )
+    procs = []
+    for i in range(2):
+        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *OVERRIDES]
+        argv += ["--export-hf", str(export), "--coordinator", f"localhost:{port}"]
+        argv += ["--num-processes", "2", "--process-id", str(i)]
+        procs.append(
+            subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            results.append((p.returncode, stdout.decode(), stderr.decode()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (rc, _, stderr) in enumerate(results):
+        assert rc == 0, f"process {i} exited {rc}:\n{stderr[-3000:]}"
+    return run, export, [summary(stdout) for _, stdout, _ in results]
+
+
+def test_two_processes_train_one_policy(two_process_run):
+    run, export, (first, second) = two_process_run
+    # the same reduced figures on both processes
+    assert first["eval_before"] == second["eval_before"]
+    assert without_time(first["final"]) == without_time(second["final"])
+    # process 0 alone writes the logs: each step once, one event file
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert without_time(lines[-1]) == without_time(first["final"])
+    assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
+    # host-side lengths (gathered from both hosts) = the jitted step's over the global batch
+    for m in lines[1:]:
+        assert m["response_length"] == m["train/response_len_mean"]
+        assert m["train/mismatch_frac_bitwise_equal"] == 1.0  # each host's engine got the new weights
+
+    config = load_config(SMOKE, [f"run.output_dir={run}", *OVERRIDES])
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = build_tokenizer(config)
+    with sharding.activate(mesh, config.mesh.rules), Grader(1) as grader:
+        model, params = build_policy(config, mesh)
+        # the eval split over two hosts = this single process evaluating every prompt
+        frozen = jax.jit(lambda p: quant.quantize_params(p, config.quant))(params)
+        engine = build_engine(config, model, frozen, tokenizer, mesh)
+        held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
+        assert Evaluator(config, engine, tokenizer, grader, held_out, params)(params) == first["eval_before"]
+        # the checkpoint both processes wrote = the weights process 0 gathered and exported
+        trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
+        ckpt = Checkpointer(run / "checkpoints", config.run.keep, to_dict(config))
+        restored = ckpt.restore(trainer.init_state(params))
+        ckpt.close()
+    assert restored.step == 2 and len(restored.data_state["processes"]) == 2
+    _, exported, _ = from_pretrained(export)
+    saved, initial = (jax.tree.leaves(jax.device_get(t)) for t in (restored.state.params, params))
+    assert all(np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(exported), strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(saved, initial, strict=True))  # it trained
+
+
+def test_one_process_refuses_to_resume_a_two_process_run(two_process_run, capsys):
+    run, _, _ = two_process_run
+    assert main(["--config", SMOKE, f"run.output_dir={run}", *OVERRIDES, "run.steps=3"]) == 3
+    assert "was written by 2 process(es), this run has 1" in capsys.readouterr().err
+
+
+def test_incomplete_multihost_flags_name_what_is_missing(capsys):
+    assert main(["--config", SMOKE, "--coordinator", "localhost:1", "--num-processes", "2"]) == 2
+    assert "needs --process-id (or $JAX_PROCESS_ID) as well" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""``python -m qarl_jax.tools.plot_runs RUN_DIR [RUN_DIR ...] --out FILE.png [--smooth N]``
+
+One figure of training runs, overlaid: the rollout reward per step (faint) under its rolling mean,
+and the held-out accuracy of the policy as deployed at each eval. For a quick look without a
+notebook (``notebooks/explore_run.ipynb`` has every metric); the README's default-run figure is
+made with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from qarl_jax.runlog import RunLogError, load_runs, rolling_mean
+
+
+def plot(run_dirs: list[str], out: pathlib.Path, smooth: int = 20) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = load_runs(run_dirs)
+    fig, (reward_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for run in runs:
+        steps, reward = run.series("reward_mean")
+        line = reward_ax.plot(steps, rolling_mean(reward, smooth), label=run.name)[0]
+        reward_ax.plot(steps, reward, color=line.get_color(), alpha=0.15, linewidth=0.8)
+        eval_steps, accuracy = run.series("eval/accuracy")
+        eval_ax.plot(eval_steps, accuracy, "o-", color=line.get_color(), label=run.name)
+    reward_ax.set(title=f"rollout reward (rolling mean, {smooth} steps)", xlabel="RL step")
+    eval_ax.set(title="held-out greedy accuracy, policy as deployed", xlabel="RL step", ylim=(0, 1))
+    reward_ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qarl_jax.tools.plot_runs", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="the PNG to write")
+    parser.add_argument("--smooth", type=int, default=20, help="rolling-mean window in steps")
+    args = parser.parse_args(argv)
+    try:
+        plot(args.run_dirs, args.out, args.smooth)
+    except RunLogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

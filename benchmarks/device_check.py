@@ -177,9 +177,13 @@ def kernels(out: pathlib.Path, small: bool) -> int:
 # -------------------------------------------------------------------------------------- alignment
 
 
-def alignment(out: pathlib.Path, small: bool, budget_s: float, cells: list[tuple[str, str]]) -> int:
-    """Stage b: check_alignment per (mode, model, format): every aligned cell (the evidence), then
-    the naive ones (reported only) while ``budget_s`` lasts."""
+def cell_name(model: str, fmt: str, temperature: float = 1.0) -> str:
+    return f"{model}:{fmt}" + ("" if temperature == 1.0 else f":{temperature:g}")
+
+
+def alignment(out: pathlib.Path, small: bool, budget_s: float, cells: list[tuple[str, str, float]]) -> int:
+    """Stage b: check_alignment per (mode, model, format, sampling temperature): every aligned cell
+    (the evidence), then the naive ones at temperature 1 (reported only) while ``budget_s`` lasts."""
     import jax
 
     from qarl_jax.config import load_config
@@ -188,15 +192,18 @@ def alignment(out: pathlib.Path, small: bool, budget_s: float, cells: list[tuple
     start = time.perf_counter()
     sizes = ALIGN_SIZES["cpu" if small or jax.default_backend() == "cpu" else "gpu"]
     result: dict = {"backend": jax.default_backend(), "jax": jax.__version__, "overrides": sizes}
-    result |= {"planned": [f"{model}:{fmt}" for model, fmt in cells], "cells": []}
+    result |= {"planned": [cell_name(*c) for c in cells], "cells": []}
     for mode in ("aligned", "naive"):
-        for model, fmt in cells:
-            cell = {"mode": mode, "model": model, "format": fmt}
+        for model, fmt, temperature in cells:
+            if mode == "naive" and temperature != 1.0:
+                continue
+            cell = {"mode": mode, "model": model, "format": fmt, "temperature": temperature}
             if mode == "naive" and time.perf_counter() - start > budget_s:
                 result["cells"].append(cell | {"skipped": "not started (time budget)"})
                 continue
             t = time.perf_counter()
             overrides = ["model.path=null", f"model.preset={model}", f"quant.fmt={fmt}", f"quant.mode={mode}"]
+            overrides += [f"rollout.temperature={temperature}", f"train.temperature={temperature}"]
             try:
                 report = check_alignment.run(load_config(None, overrides + sizes), progress=False)
                 cell |= {k: report[k] for k in check_alignment.KEYS if k not in ("format", "mode")}
@@ -272,10 +279,14 @@ def _alignment_rows(out_dir: pathlib.Path, ran: dict[str, str]) -> list[Row]:
     b = _load(out_dir, "alignment")
     if not b:
         return [("aligned bitwise (dense + MoE)", _why("alignment", ran), "frac 1.0", "no")]
-    done = {f"{c['model']}:{c['format']}": c for c in b["cells"] if c["mode"] == "aligned"}
+    done = {
+        cell_name(c["model"], c["format"], c.get("temperature", 1.0)): c
+        for c in b["cells"]
+        if c["mode"] == "aligned"
+    }
     rows = []
     for name in b["planned"]:
-        what, c = f"aligned bitwise {name.replace(':', ' ')}", done.get(name, {})
+        what, c = f"aligned bitwise {name.replace(':', ' ').replace(' 0.', ' T=0.')}", done.get(name, {})
         if "frac_bitwise_equal" not in c:
             rows.append((what, c.get("error", _why("alignment", ran))[:70], "frac 1.0", "no"))
             continue
@@ -399,13 +410,21 @@ def summary(out_dir: pathlib.Path, mode: str, stages: pathlib.Path | None) -> in
     return 0 if all(r[3] == "yes" for r in correctness) else 1
 
 
-def _cells(text: str) -> list[tuple[str, str]]:
-    cells = [tuple(c.split(":")) for c in text.split(",")]
-    bad = [c for c in cells if len(c) != 2 or c[0] not in MODELS or c[1] not in FORMATS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"cells are MODEL:FORMAT with MODEL in {MODELS}, FORMAT in {FORMATS}"
-        )
+def _cells(text: str) -> list[tuple[str, str, float]]:
+    """``MODEL:FORMAT[:TEMPERATURE]`` items, comma-separated (temperature 1 by default)."""
+    cells = []
+    for item in text.split(","):
+        parts = item.split(":")
+        try:
+            model, fmt, temperature = (*parts, "1")[:3] if len(parts) in (2, 3) else ("", "", "")
+            cell = (model, fmt, float(temperature))
+        except ValueError:
+            cell = ("", "", 0.0)
+        if cell[0] not in MODELS or cell[1] not in FORMATS or cell[2] <= 0:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: cells are MODEL:FORMAT[:TEMPERATURE] with MODEL in {MODELS}, FORMAT in {FORMATS}"
+            )
+        cells.append(cell)
     return cells
 
 
@@ -420,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=60.0, help="no naive cell starts after this many seconds"
     )
     sub.choices["alignment"].add_argument(
-        "--cells", type=_cells, default=[(m, f) for m in MODELS for f in FORMATS], help="MODEL:FORMAT,..."
+        "--cells",
+        type=_cells,
+        default=[(m, f, 1.0) for m in MODELS for f in FORMATS] + [("qwen3-tiny", "w4a16", 0.7)],
+        help="MODEL:FORMAT[:TEMPERATURE],...",
     )
     p = sub.add_parser("summary")
     p.add_argument("--dir", type=pathlib.Path, required=True)

@@ -19,6 +19,8 @@ from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rl.alignment import generated_logprobs, pack, rollout
 from qarl_jax.rl.logprobs import logprob_loss, policy_logprobs
+from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
+from qarl_jax.rollout import rollout as engine_rollout
 
 MODELS = ("qwen3-tiny", "qwen3-moe-tiny")
 FORMATS = ("bf16", "w8a8", "w4a16")
@@ -97,6 +99,28 @@ def test_loss_aux_logprobs_equal_rollout_under_grad_and_remat():
     leaves = jax.tree.leaves(grads)
     assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in leaves)
     assert np.abs(np.asarray(grads["layers_0"]["self_attn"]["q_proj"]["kernel"])).max() > 0
+
+
+def test_engine_sampling_logprobs_at_temperature_equal_loss_bitwise():
+    """Tokens drawn by the engine at temperature 0.7 (a per-slot array there, a float in the loss):
+    the sampling log-probs it records are what the loss computes at 0.7, bit for bit."""
+    name = "qwen3-tiny"
+    model = Qwen3ForCausalLM(preset(name), QuantSpec("w4a16"))
+    frozen = quantize_params(params(name), model.quant)
+    engine = RolloutEngine(model, frozen, EngineConfig(slots=4, max_len=32))
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, model.config.vocab_size, n).tolist() for n in PROMPT_LENS]
+    groups = engine_rollout(engine, prompts, 2, 6, SamplingParams(0.7), ignore_eos=True, progress=False)
+    samples = [s for group in groups for s in group]
+    seqs = [np.asarray(prompts[s.prompt_index] + s.tokens, np.int32) for s in samples]
+    batch = pack(seqs, 4, 24)
+    arrays = {k: jnp.asarray(v) for k, v in batch.items() if k != "where"}
+    f = jax.jit(jax.value_and_grad(logprob_loss(model, lambda logp, b: jnp.sum(logp), 0.7), has_aux=True))
+    (_, logp), _ = f(params(name), arrays)
+    train = generated_logprobs(logp, batch, [prompts[s.prompt_index] for s in samples], seqs)
+    for t, s in zip(train, samples, strict=True):
+        np.testing.assert_array_equal(t, np.asarray(s.sampling_logprobs, np.float32))
+        assert not np.array_equal(t, np.asarray(s.logprobs, np.float32))  # not the temperature-1 ones
 
 
 @pytest.mark.parametrize(

@@ -73,21 +73,19 @@ def sample(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logits [S, V], typed keys [S], settings [S] -> (tokens, policy log-probs, sampling log-probs).
 
-    Greedy rows take the argmax of the logits and report sampling log-prob 0 (a point mass)."""
-    logp = ops.log_softmax(logits)
+    Greedy rows take the argmax of the logits and report sampling log-prob 0 (a point mass). Without
+    truncation the sampling log-prob is ``ops.log_softmax(logits, temperature)``: the trainer's
+    log-prob at that temperature, bit for bit (temperature 1: the policy log-prob itself)."""
     greedy = temperature <= 0
-    scaled = logp / jnp.where(greedy, 1.0, temperature)[:, None]
+    tempered = ops.log_softmax(logits, jnp.where(greedy, 1.0, temperature))
     truncating = (~greedy) & ((top_p < 1) | (top_k > 0))
-    scaled = jax.lax.cond(
+    sampling = jax.lax.cond(
         jnp.any(truncating),
-        lambda s: jnp.where(truncating[:, None], _truncate(s, top_p, top_k), s),
+        lambda s: jnp.where(truncating[:, None], jax.nn.log_softmax(_truncate(s, top_p, top_k), axis=-1), s),
         lambda s: s,
-        scaled,
+        tempered,
     )
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, sampling)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
-    policy_lp = pick(logp)
-    plain = (temperature == 1) & ~truncating  # drawn from the policy itself: the same number
-    sampling_lp = jnp.where(plain, policy_lp, pick(jax.nn.log_softmax(scaled, axis=-1)))
-    return tokens, policy_lp, jnp.where(greedy, 0.0, sampling_lp)
+    return tokens, pick(ops.log_softmax(logits)), jnp.where(greedy, 0.0, pick(sampling))

@@ -101,6 +101,8 @@ def verdict(table: dict[str, dict]) -> dict:
         gain / (acc["bf16"] - acc["quantized-rollout"]) if acc["bf16"] != acc["quantized-rollout"] else None
     )
     reproduced = gain > 0 and acc["bf16"] > acc["quantized-rollout"] and gap < gain
+    spread = max(table[a]["final_accuracy"]["std"] for a in needed)
+    resolved = min(abs(gain), abs(gap)) > spread
     text = (
         f"final deployed accuracy: bf16 {acc['bf16']:.3f}, quantized-rollout {acc['quantized-rollout']:.3f}, "
         f"qarl-tbpo {acc['qarl-tbpo']:.3f} (qarl-tbpo {gain:+.3f} over quantized-rollout, "
@@ -110,6 +112,8 @@ def verdict(table: dict[str, dict]) -> dict:
             if reproduced
             else "The paper's ordering was NOT reproduced."
         )
+        + f" The seed spread (std) of these arms' final accuracy is up to {spread:.3f}: the differences "
+        + ("exceed it." if resolved else "are within it, so these seeds do not resolve them.")
     )
     return {
         "complete": True,
@@ -117,6 +121,8 @@ def verdict(table: dict[str, dict]) -> dict:
         "qarl_tbpo_minus_quantized_rollout": gain,
         "bf16_minus_qarl_tbpo": gap,
         "fraction_of_gap_recovered": recovered,
+        "seed_spread": spread,
+        "resolved_by_seeds": resolved,
         "text": text,
     }
 

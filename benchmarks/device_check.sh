@@ -99,9 +99,8 @@ main() {
         rollout_mode=--gpu-shape
         [[ -z $cells ]] || cell_args=(--cells "$cells") # default: all six cells
         # Qwen3-1.7B's layer shapes, 4 layers, a 32k vocabulary (the lm_head stays a minor share)
-        train=(--preset qwen3-small --layers 4 --set hidden_size=2048 --set intermediate_size=6144
-            --set num_attention_heads=16 --set num_key_value_heads=8 --set head_dim=128
-            --set vocab_size=32768 --batch 8 --length 512 --prompt 128 --dtype bfloat16 --repeats 3)
+        train=(--preset qwen3-1.7b --layers 4 --set vocab_size=32768
+            --batch 8 --length 512 --prompt 128 --dtype bfloat16 --repeats 3)
     else
         DEADLINE=540
         limits=(120 170 60 90 60 90)

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from qarl_jax import quant
-from qarl_jax.models import Qwen3Config, Qwen3ForCausalLM, init_params, save_pretrained
+from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, save_pretrained
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 CPU_SHAPE = dict(
@@ -45,18 +45,7 @@ CPU_SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=1024,
 )
-GPU_SHAPE = dict(  # Qwen3-1.7B
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-)
+GPU_SHAPE = {k: getattr(PRESETS["qwen3-1.7b"], k) for k in CPU_SHAPE}  # the same fields, Qwen3-1.7B
 FORMATS = ("bf16", "w8a8", "w4a16")
 TIE_GAP = 1e-4
 

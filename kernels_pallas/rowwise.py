@@ -228,9 +228,12 @@ def logsumexp(
 
 
 def _opaque(temperature: float) -> jax.Array:
-    """The temperature as a runtime value: XLA may turn a division by a constant into a multiply by
-    its reciprocal, which it then fuses with the following subtraction into an FMA in some
-    programs and not in others (measured: 1-ulp log-prob differences at temperature 0.7)."""
+    """The temperature behind an optimization barrier. Not enough for bitwise equality across
+    programs on XLA:CPU: the barrier on a constant is folded away, and a division by a broadcast
+    becomes a multiply by the reciprocal (then an FMA with the next subtraction) in some programs
+    only (measured: 1-ulp log-prob differences at temperature 0.7). Callers that need the same bits
+    in different programs scale the logits once themselves and call these kernels at temperature 1,
+    as ``qarl_jax.models.ops`` does."""
     return lax.optimization_barrier(jnp.float32(temperature))
 
 

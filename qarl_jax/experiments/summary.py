@@ -173,13 +173,17 @@ def write_summary(out: pathlib.Path, arms: list[str]) -> dict:
     return summary
 
 
-def _curves(out: pathlib.Path, arm: str, runs: list[dict], key: str, smooth: int = 1):
-    """Steps and per-seed values of ``key`` for one arm (seeds cut to the shortest run)."""
+def arm_curves(out: pathlib.Path, arm: str, runs: list[dict], key: str, smooth: int = 1):
+    """Steps [S] and per-seed values [seeds, S] of ``key`` for one arm's finished ``runs`` (cut to the
+    shortest run; rolling mean over ``smooth`` steps); ``(None, None)`` when no run logged ``key``."""
     series = []
     for r in runs:
         if r["arm"] == arm:
             steps, values = load_run(out / "runs" / arm / f"seed{r['seed']}").series(key)
-            series.append((steps, runlog.rolling_mean(values, smooth) if smooth > 1 else values))
+            if len(steps):
+                series.append((steps, runlog.rolling_mean(values, smooth) if smooth > 1 else values))
+    if not series:
+        return None, None
     n = min(len(s) for s, _ in series)
     return series[0][0][:n], np.stack([v[:n] for _, v in series])
 
@@ -199,7 +203,7 @@ def plot(out: pathlib.Path, arms: list[str], runs: list[dict]) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (key, title, smooth) in zip(axes, panels, strict=True):
         for arm in arms:
-            steps, values = _curves(out, arm, runs, key, smooth)
+            steps, values = arm_curves(out, arm, runs, key, smooth)
             line = ax.plot(steps, values.mean(0), label=f"{arm} ({len(values)} seeds)")[0]
             if len(values) > 1:
                 ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.15)

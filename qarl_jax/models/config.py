@@ -213,6 +213,19 @@ _TINY = Qwen3Config(
     tie_word_embeddings=True,
     max_position_embeddings=512,
 )
+_QWEN3_1_7B = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+)
 PRESETS: dict[str, Qwen3Config] = {
     "qwen3-tiny": _TINY,  # 0.8M params
     "qwen3-small": _TINY.replace(  # 4.7M params
@@ -231,32 +244,20 @@ PRESETS: dict[str, Qwen3Config] = {
         mlp_only_layers=(0,),
     ),
     # Real checkpoints' architectures (their Hugging Face config.json values), for planning runs
-    # without the weights (python -m qarl_jax.tools.memory_plan).
-    "qwen3-8b": Qwen3Config(  # 8.19B params
-        vocab_size=151936,
+    # without the weights (python -m qarl_jax.tools.memory_plan) and GPU benchmarks at real shapes.
+    "qwen3-1.7b": _QWEN3_1_7B,
+    "qwen3-8b": _QWEN3_1_7B.replace(  # 8.19B params
         hidden_size=4096,
         intermediate_size=12288,
         num_hidden_layers=36,
         num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
         tie_word_embeddings=False,
-        max_position_embeddings=40960,
     ),
-    "qwen3-30b-a3b": Qwen3Config(  # 30.5B params, 3.3B active: 128 experts top-8 in every layer
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,  # in config.json, unused: every layer is sparse
-        num_hidden_layers=48,
+    "qwen3-30b-a3b": _QWEN3_1_7B.replace(  # 30.5B params, 3.3B active: 128 experts top-8 in every layer
+        num_hidden_layers=48,  # intermediate_size 6144 is in its config.json, unused: every layer is sparse
         num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
         tie_word_embeddings=False,
-        max_position_embeddings=40960,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,

@@ -144,10 +144,9 @@ def global_batch(batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
     axes (process-major). One process: the host batch as is (the trainer places it)."""
     if jax.process_count() == 1:
         return batch
-    axes = dict(rules)["batch"]
-    spec = lambda v: PartitionSpec(axes, *([None] * (v.ndim - 1)))  # noqa: E731
     return {
-        k: jax.make_array_from_process_local_data(NamedSharding(mesh, spec(v)), v) for k, v in batch.items()
+        k: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim, rules), v)
+        for k, v in batch.items()
     }
 
 

@@ -8,10 +8,8 @@ Only exact or elementwise work (residual adds, activations, gathers) is left to 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -19,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import attention as _attention
 from kernels_pallas import cpu_rows, rowwise
 from kernels_pallas.matmul import resolve_backend
+from qarl_jax import sharding
 
 
 def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -> jax.Array:
@@ -40,11 +39,9 @@ def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -
             return fn(*full)
 
         return per_device(with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present))
-    axes = nn.logical_to_mesh_axes(("batch",))[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    names = sharding.batch_axes()
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
-    ways = math.prod(mesh.shape[a] for a in names)
-    spec = P(names) if names and rows % ways == 0 else P()
+    spec = P(names) if names and rows % sharding.axis_ways(names, mesh) == 0 else P()
     specs = tuple(spec if b else P() for b in batched)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 

@@ -14,6 +14,7 @@ Two entry points share the weights:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -33,6 +34,8 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+    # logical axes of k and v: slots split like batch rows, heads like the attention's heads
+    logical_axes: ClassVar[tuple[str | None, ...]] = (None, "batch", None, "kv_heads", None)
 
     @classmethod
     def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import jax
@@ -35,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
@@ -207,9 +205,10 @@ class Trainer:
         """Place a host batch with its sequences split over the mesh's batch axes."""
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        axes = dict(self.rules)["batch"]
-        spec = lambda v: PartitionSpec(axes, *([None] * (np.ndim(v) - 1)))  # noqa: E731
-        return {k: jax.device_put(v, NamedSharding(self.mesh, spec(v))) for k, v in batch.items()}
+        return {
+            k: jax.device_put(v, sharding.batch_sharding(self.mesh, np.ndim(v), self.rules))
+            for k, v in batch.items()
+        }
 
     def _score_rows(self, n: int) -> int:
         """Sequences per scoring forward: the update's micro-batch, which must split over the mesh's
@@ -220,10 +219,8 @@ class Trainer:
                 f"a rollout batch of {n} sequences does not split into train.num_minibatches x "
                 f"train.micro_batches = {parts} micro-batches (old log-probs are scored per micro-batch)"
             )
-        rows, ways = n // parts, 1
-        if self.mesh is not None:
-            axes = dict(self.rules)["batch"]
-            ways = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        rows = n // parts
+        ways = 1 if self.mesh is None else sharding.batch_ways(self.mesh, self.rules)
         if rows % ways:
             raise ValueError(
                 f"micro-batches of {rows} sequences (scoring chunks) do not split over the {ways} devices "

@@ -17,11 +17,10 @@ import contextlib
 import dataclasses
 from collections.abc import Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from qarl_jax import sharding
 from qarl_jax.models import KVCache, Qwen3ForCausalLM
@@ -57,6 +56,42 @@ class EngineConfig:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotSettings:
+    """What each slot's sample asked for, one entry per slot (or per request, at insert): set once
+    when a sample starts, read by every generate step. One pytree, so adding a setting edits this
+    class, :meth:`columns` and the step that reads it."""
+
+    max_new: jax.Array  # int32, tokens to generate (capped by the cache room at insert)
+    stop_on_eos: jax.Array  # bool
+    temperature: jax.Array  # f32, 0 = greedy
+    top_p: jax.Array  # f32
+    top_k: jax.Array  # int32, 0 = no truncation
+
+    @classmethod
+    def empty(cls, n: int) -> SlotSettings:
+        """Settings of ``n`` empty slots (distinct device buffers: the decode state is donated)."""
+        return cls(
+            max_new=jnp.zeros((n,), jnp.int32),
+            stop_on_eos=jnp.ones((n,), bool),
+            temperature=jnp.ones((n,), jnp.float32),
+            top_p=jnp.ones((n,), jnp.float32),
+            top_k=jnp.zeros((n,), jnp.int32),
+        )
+
+    @classmethod
+    def columns(cls, requests: Sequence[SlotRequest], size: int) -> SlotSettings:
+        """Host columns of the requests' settings, zero-padded to ``size`` rows."""
+        return cls(
+            max_new=_column([r.max_new for r in requests], size, np.int32),
+            stop_on_eos=_column([r.stop_on_eos for r in requests], size, bool),
+            temperature=_column([r.sampling.temperature for r in requests], size, np.float32),
+            top_p=_column([r.sampling.top_p for r in requests], size, np.float32),
+            top_k=_column([r.sampling.top_k for r in requests], size, np.int32),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """Per slot: the last sampled token (not yet in the cache), its position and bookkeeping.
 
@@ -67,12 +102,8 @@ class DecodeState:
     positions: jax.Array  # [S] int32, where ``tokens`` goes in the cache
     keys: jax.Array  # [S, key data] uint32, the sample's key
     generated: jax.Array  # [S] int32, tokens sampled so far (including the first, at insert)
-    max_new: jax.Array  # [S] int32
-    stop_on_eos: jax.Array  # [S] bool
     done: jax.Array  # [S] bool
-    temperature: jax.Array  # [S] f32
-    top_p: jax.Array  # [S] f32
-    top_k: jax.Array  # [S] int32
+    settings: SlotSettings
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +128,7 @@ class StepOutput:
     finished: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SlotRequest:
     """What ``insert`` needs per slot: a prefix row, the sample's identity and its settings."""
 
@@ -108,6 +139,13 @@ class SlotRequest:
     max_new: int
     sampling: SamplingParams = SamplingParams()
     stop_on_eos: bool = True
+
+
+def _column(values: Sequence, size: int, dtype, fill=0) -> np.ndarray:
+    """``values`` as a host array of ``size`` rows, the rest ``fill``."""
+    out = np.full((size,), fill, dtype)
+    out[: len(values)] = values
+    return out
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -181,19 +219,15 @@ class RolloutEngine:
             cache = KVCache.init(self.model.config, s, c.max_len)
             if self.mesh is not None:
                 cache = jax.device_put(cache, self._cache_sharding(cache.k.shape))
-            zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  (distinct buffers: all are donated)
+            zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
             return DecodeState(
                 cache=cache,
                 tokens=zeros(),
                 positions=zeros(),
                 keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
                 generated=zeros(),
-                max_new=zeros(),
-                stop_on_eos=jnp.ones((s,), bool),
                 done=jnp.ones((s,), bool),
-                temperature=jnp.ones((s,), jnp.float32),
-                top_p=jnp.ones((s,), jnp.float32),
-                top_k=zeros(),
+                settings=SlotSettings.empty(s),
             )
 
     def allocate(self) -> DecodeState:
@@ -236,38 +270,19 @@ class RolloutEngine:
         with self.context():
             return self._insert(prefix, state, self.insert_columns(requests), np.int32(seed))
 
-    def insert_columns(self, requests: Sequence[SlotRequest]) -> dict[str, np.ndarray]:
+    def insert_columns(self, requests: Sequence[SlotRequest]) -> dict:
         """The insert call's per-request arrays, padded to a bucket (padding targets no slot)."""
         k = bucket(len(requests), _pow2_buckets(self.config.slots))
-        fields = dict(
-            rows=np.int32,
-            prompt_index=np.int32,
-            sample_index=np.int32,
-            max_new=np.int32,
-            top_k=np.int32,
-            stop_on_eos=bool,
-            temperature=np.float32,
-            top_p=np.float32,
-        )
-        cols = {name: np.zeros((k,), dtype) for name, dtype in fields.items()}
-        cols["slots"] = np.full((k,), self.config.slots, np.int32)  # out of range: dropped
-        for i, r in enumerate(requests):
+        for r in requests:
             if not 0 <= r.slot < self.config.slots:
                 raise ValueError(f"slot {r.slot} out of range [0, {self.config.slots})")
-            vals = dict(
-                rows=r.row,
-                slots=r.slot,
-                prompt_index=r.prompt_index,
-                sample_index=r.sample_index,
-                max_new=r.max_new,
-                top_k=r.sampling.top_k,
-                stop_on_eos=r.stop_on_eos,
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-            )
-            for name, v in vals.items():
-                cols[name][i] = v
-        return cols
+        return dict(
+            rows=_column([r.row for r in requests], k, np.int32),
+            slots=_column([r.slot for r in requests], k, np.int32, fill=self.config.slots),  # dropped
+            prompt_index=_column([r.prompt_index for r in requests], k, np.int32),
+            sample_index=_column([r.sample_index for r in requests], k, np.int32),
+            settings=SlotSettings.columns(requests, k),
+        )
 
     def generate(self, params, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One token for every live slot (state donated: the cache is updated in place)."""
@@ -291,13 +306,9 @@ class RolloutEngine:
 
     def _cache_sharding(self, shape) -> NamedSharding:
         """Slots over the batch axes and KV heads over tensor, where they divide evenly."""
-        spec = nn.logical_to_mesh_axes((None, "batch", None, "kv_heads", None), self.rules)
-        fit = []
-        for dim, axes in zip(shape, spec, strict=True):
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            size = int(np.prod([self.mesh.shape[a] for a in names]))
-            fit.append(axes if dim % size == 0 else None)
-        return NamedSharding(self.mesh, PartitionSpec(*fit))
+        return NamedSharding(
+            self.mesh, sharding.fitting_spec(shape, KVCache.logical_axes, self.mesh, self.rules)
+        )
 
     def context(self):
         """The engine's mesh and logical rules (every jitted call runs inside it)."""
@@ -317,28 +328,26 @@ class RolloutEngine:
     def insert_impl(self, prefix: Prefix, state: DecodeState, cols, seed):
         rows, slots = cols["rows"], cols["slots"]
         t = prefix.cache.k.shape[2]
-        put = lambda dst, src: dst.at[:, slots, :t].set(src[:, rows].astype(dst.dtype), mode="drop")  # noqa: E731
+        put = lambda dst, src: dst.at[:, slots, :t].set(src[:, rows].astype(dst.dtype), mode="drop")
         cache = KVCache(k=put(state.cache.k, prefix.cache.k), v=put(state.cache.v, prefix.cache.v))
         keys = jax.vmap(sample_key, in_axes=(None, 0, 0))(seed, cols["prompt_index"], cols["sample_index"])
         first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
-        tokens, lp, slp = sample(
-            prefix.last_logits[rows], first_keys, cols["temperature"], cols["top_p"], cols["top_k"]
+        new: SlotSettings = cols["settings"]
+        new = dataclasses.replace(
+            new,
+            max_new=jnp.minimum(new.max_new, self.config.max_len - prefix.lengths[rows]),  # cache room
         )
-        max_new = jnp.minimum(cols["max_new"], self.config.max_len - prefix.lengths[rows])  # cache room
-        finished = (max_new <= 1) | (cols["stop_on_eos"] & jnp.isin(tokens, self._eos))
-        set_ = lambda arr, v: arr.at[slots].set(v, mode="drop")  # noqa: E731
+        tokens, lp, slp = sample(prefix.last_logits[rows], first_keys, new.temperature, new.top_p, new.top_k)
+        finished = (new.max_new <= 1) | (new.stop_on_eos & jnp.isin(tokens, self._eos))
+        set_ = lambda arr, v: arr.at[slots].set(v, mode="drop")
         state = DecodeState(
             cache=cache,
             tokens=set_(state.tokens, tokens),
             positions=set_(state.positions, prefix.lengths[rows]),
             keys=set_(state.keys, jax.random.key_data(keys)),
             generated=set_(state.generated, jnp.ones_like(rows)),
-            max_new=set_(state.max_new, max_new),
-            stop_on_eos=set_(state.stop_on_eos, cols["stop_on_eos"]),
             done=set_(state.done, finished),
-            temperature=set_(state.temperature, cols["temperature"]),
-            top_p=set_(state.top_p, cols["top_p"]),
-            top_k=set_(state.top_k, cols["top_k"]),
+            settings=jax.tree.map(set_, state.settings, new),
         )
         valid = slots < self.config.slots
         return state, StepOutput(tokens, lp, slp, valid, finished & valid)
@@ -348,10 +357,11 @@ class RolloutEngine:
         logits, cache = self._apply_decode(params, tokens, positions, state.cache)
         keys = jax.random.wrap_key_data(state.keys)
         step_keys = jax.vmap(jax.random.fold_in)(keys, state.generated)
-        tokens, lp, slp = sample(logits[:, 0], step_keys, state.temperature, state.top_p, state.top_k)
+        st = state.settings
+        tokens, lp, slp = sample(logits[:, 0], step_keys, st.temperature, st.top_p, st.top_k)
         live = ~state.done
         generated = state.generated + live
-        finished = live & ((generated >= state.max_new) | (state.stop_on_eos & jnp.isin(tokens, self._eos)))
+        finished = live & ((generated >= st.max_new) | (st.stop_on_eos & jnp.isin(tokens, self._eos)))
         state = dataclasses.replace(
             state,
             cache=cache,

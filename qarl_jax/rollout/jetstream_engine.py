@@ -157,7 +157,10 @@ class JetStreamEngine(engine_api.Engine):
     def insert(self, prefix, decode_state: JetDecodeState, slot: int) -> JetDecodeState:
         prefix, request = prefix
         room = self.core.config.max_len
-        cols = self.core.insert_columns([SlotRequest(0, slot, request, 0, room, self.sampling)])
+        req = SlotRequest(
+            row=0, slot=slot, prompt_index=request, sample_index=0, max_new=room, sampling=self.sampling
+        )
+        cols = self.core.insert_columns([req])
         with self.core.context():
             return self._insert(prefix, decode_state, cols, np.int32(self.seed))
 

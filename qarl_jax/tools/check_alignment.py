@@ -33,12 +33,10 @@ import json
 import math
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from qarl_jax import quant, sharding
 from qarl_jax.config import Config, ConfigError, load_config
@@ -165,14 +163,6 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
         yield list(idx), batch
 
 
-def _row_sharding(mesh: Mesh, rules, rows: int) -> NamedSharding:
-    """Rows over the batch axes (as the trainer shards its batch), replicated if they do not divide."""
-    axes = nn.logical_to_mesh_axes(("batch", None), rules)[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    ways = math.prod(mesh.shape[n] for n in names)
-    return NamedSharding(mesh, P(names, None) if names and rows % ways == 0 else P())
-
-
 def _objective(logp: jax.Array, batch) -> jax.Array:
     """A stand-in loss (mean log-prob of the real tokens): only its auxiliary log-probs are used."""
     real = batch["segment_ids"] > 0
@@ -191,7 +181,7 @@ def _score(config: Config, model, params, mesh: Mesh, prompts, samples: list[Sam
             {"params": p}, b["tokens"], b["positions"], b["segment_ids"], mutable=["intermediates"]
         )[1]["intermediates"]
     )
-    rows = _row_sharding(mesh, rules, config.alignment.train_rows)
+    rows = sharding.batch_sharding(mesh, 2, rules, rows=config.alignment.train_rows)
     logps, routes = [None] * len(samples), [None] * len(samples)
     with sharding.activate(mesh, rules):
         for idx, batch in _batches(config, prompts, samples):

@@ -18,11 +18,11 @@ import json
 import sys
 
 from qarl_jax import distributed
+from qarl_jax.build import build_tokenizer
 from qarl_jax.checkpoint import CheckpointError
 from qarl_jax.config import ConfigError, load_config
-from qarl_jax.models import CheckpointError as ModelLoadError
 from qarl_jax.models import save_pretrained
-from qarl_jax.train import build_tokenizer, train
+from qarl_jax.train import train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, ModelLoadError) as e:
+    except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 3
     if args.export_hf:

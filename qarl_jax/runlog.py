@@ -4,7 +4,8 @@
 step 0 holds only the eval before training, every later line one training step's metrics, plus the
 held-out evals (``eval/...``, ``eval_bf16/...``) on eval steps. Keys come and go between versions
 of the trainer, so a key a row lacks reads as NaN and a key no row has as an empty series.
-Pure numpy + json: no JAX, no pandas.
+:class:`MetricsLog` is the writer, beside its reader so the two agree on the format. Pure numpy +
+json: no JAX, no pandas (the writer imports tensorboardX, or wandb, only when a run logs there).
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from qarl_jax.errors import RunLogError
+
 EVAL_PREFIXES = ("eval/", "eval_bf16/")
-
-
-class RunLogError(ValueError):
-    """A run directory or one of its files cannot be read."""
 
 
 def is_eval_key(key: str) -> bool:
@@ -125,6 +125,61 @@ def load_runs(run_dirs: Iterable[str | pathlib.Path]) -> list[RunLog]:
             depth += 1
         named.append(dataclasses.replace(run, name="/".join(own[-depth:])))
     return named
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the run directory: one JSON object per step; on resume, lines past the
+    checkpoint are dropped (the resumed run writes them again) and a torn last line (a run killed
+    mid-write) is cut. With ``tensorboard``, every numeric metric also goes to ``tb/`` as a scalar at
+    its step (tags allow no "@": eval/pass@4 is written as eval/pass_4); a resumed run's event file
+    starts by purging the steps past the checkpoint, so TensorBoard shows each step once too. Events
+    are flushed every step, so a killed run loses none that its checkpoint covers."""
+
+    def __init__(self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        kept = kept_lines(self.path, resume_step) if resume_step and self.path.exists() else []
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.tensorboard = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard import it (and torch)
+
+            # the file name's time has 1 s resolution; the resume step in it keeps a quickly resumed
+            # run from overwriting the previous file and sorts the files in run order
+            purge = resume_step + 1 if resume_step else None
+            suffix = f".{resume_step:09d}"
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
+
+    def write(self, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def kept_lines(path: pathlib.Path, resume_step: int) -> list[str]:
+    """The lines of ``path`` up to step ``resume_step``. A last line that is not JSON is what a run
+    killed mid-write leaves: it is cut (and said so); a bad line before the last is damage nobody
+    should paper over, a :class:`RunLogError` naming file and line."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            if lineno == len(lines):
+                print(f"{path}:{lineno}: cutting a torn last line (a run stopped mid-write)", file=sys.stderr)
+                break
+            raise RunLogError(f"{path}:{lineno}: not a metrics line ({e}); fix or remove it to resume") from e
+        if step <= resume_step:
+            kept.append(line)
+    return kept
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:

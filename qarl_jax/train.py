@@ -27,105 +27,23 @@ import numpy as np
 from tqdm import tqdm
 
 from qarl_jax import distributed, quant, sharding
+from qarl_jax.build import build_engine, build_policy, build_tokenizer, eval_set
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
-from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
+from qarl_jax.data import build_pipeline
 from qarl_jax.evaluation import Evaluator, score
-from qarl_jax.models import CheckpointError, Qwen3ForCausalLM, from_pretrained, load_tokenizer, preset
-from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.train_step import Trainer, TrainState
-from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, rollout
-
-EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
-
-
-PACKAGE_DIR = pathlib.Path(__file__).parent
-
-
-def model_dir(path: str) -> pathlib.Path:
-    """``package:REL`` names a directory shipped in the package (the default policy); others as is."""
-    return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
-
-
-def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
-    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
-    m = config.model
-    if m.path is None:
-        depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
-        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth)
-        model = Qwen3ForCausalLM(cfg, config.quant)
-        return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
-    path = model_dir(m.path)
-    model = Qwen3ForCausalLM(hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype), config.quant)
-    shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
-    _, params, _ = from_pretrained(
-        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings
-    )
-    return model, params
-
-
-def build_tokenizer(config: Config):
-    """The checkpoint's tokenizer.json, or the arithmetic character tokenizer for presets."""
-    if config.model.path is None:
-        return build_arithmetic_tokenizer()
-    tokenizer = load_tokenizer(model_dir(config.model.path))
-    if tokenizer is None:
-        raise CheckpointError(f"{config.model.path}: no tokenizer.json (the loop needs one to grade)")
-    return tokenizer
-
-
-def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh) -> RolloutEngine:
-    """The rollout engine over frozen weights, with the run's slots, cache length and stop tokens."""
-    r = config.rollout
-    engine_cfg = EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=eos_ids(tokenizer))
-    return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=config.mesh.rules)
+from qarl_jax.rollout import RolloutEngine, SamplingParams, rollout
+from qarl_jax.runlog import MetricsLog
 
 
 def step_seed(seed: int, step: int) -> int:
     """A 31-bit seed for step ``step``'s random streams, independent of every other step's."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
-
-
-class MetricsLog:
-    """``metrics.jsonl`` in the run directory: one JSON object per step; on resume, lines past the
-    checkpoint are dropped (the resumed run writes them again). With ``tensorboard``, every numeric
-    metric also goes to ``tb/`` as a scalar at its step (tags allow no "@": eval/pass@4 is written as
-    eval/pass_4); a resumed run's event file starts by purging the steps past the checkpoint, so
-    TensorBoard shows each step once too. Events are flushed every step, so a killed run loses none
-    that its checkpoint covers."""
-
-    def __init__(self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True):
-        self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step and self.path.exists():
-            lines = self.path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.tensorboard = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard import it (and torch)
-
-            # the file name's time has 1 s resolution; the resume step in it keeps a quickly resumed
-            # run from overwriting the previous file and sorts the files in run order
-            purge = resume_step + 1 if resume_step else None
-            suffix = f".{resume_step:09d}"
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
-
-    def write(self, metrics: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(key, value, metrics["step"])
-            self.tensorboard.flush()
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 @dataclasses.dataclass
@@ -200,18 +118,6 @@ class Loop:
             "time/rollout_tokens_per_s": float(lengths.sum() / rollout_s),
         }
         return state, metrics
-
-
-def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
-    """The held-out prompts, in order: the test split of synthetic and TFDS sources (problems the
-    training split never holds), for a JSONL file the same file under seed ``data.seed + 1``."""
-    split = "test" if data.source in ("synthetic", "tfds") else data.split
-    held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False, split=split)
-    return next(build_pipeline(held_out, tokenizer))
-
-
-def eos_ids(tokenizer) -> tuple[int, ...]:
-    return tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
 
 
 def _postfix(metrics: dict) -> dict:

@@ -11,12 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from qarl_jax.errors import MalformedRowError
+
 AnswerFormat = Literal["gsm8k", "plain"]
 Record = dict[str, Any]
-
-
-class MalformedRowError(ValueError):
-    """A row (or prompt) rejected under ``bad_rows="error"``; the message names its origin."""
 
 
 @dataclasses.dataclass(frozen=True)

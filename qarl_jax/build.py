@@ -16,7 +16,7 @@ import jax
 from qarl_jax import sharding
 from qarl_jax.config import Config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
-from qarl_jax.errors import CheckpointError
+from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, load_tokenizer, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rollout import EngineConfig, RolloutEngine
@@ -47,6 +47,17 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     return model, params
 
 
+def check_model_files(config: Config) -> None:
+    """Fail before any work on a ``model.path`` that is not a model this package can load: no such
+    directory, no config.json, an architecture it does not run."""
+    if config.model.path is None:
+        return
+    path = model_dir(config.model.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path {config.model.path}: no such directory ({path.absolute()})")
+    hf_config(path)
+
+
 def build_tokenizer(config: Config):
     """The checkpoint's tokenizer.json, or the arithmetic character tokenizer for presets."""
     if config.model.path is None:
@@ -69,9 +80,28 @@ def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mes
     return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=config.mesh.rules)
 
 
+def training_data(data: DataConfig) -> DataConfig:
+    """The data the loop trains on: a JSONL file without ``eval_path`` gives up the held-out side
+    of its content-hash split (:func:`eval_set` evaluates on it)."""
+    if data.source == "jsonl" and data.eval_path is None and data.hash_split is None:
+        return dataclasses.replace(data, hash_split="train")
+    return data
+
+
 def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
-    """The held-out prompts, in order: the test split of synthetic and TFDS sources (problems the
-    training split never holds), for a JSONL file the same file under seed ``data.seed + 1``."""
-    split = "test" if data.source in ("synthetic", "tfds") else data.split
-    held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False, split=split)
-    return next(build_pipeline(held_out, tokenizer))
+    """The held-out prompts, in order, never rows the loop trains on: the test split of synthetic
+    and TFDS sources; for JSONL the file ``data.eval_path``, else the held-out side of the
+    content-hash split of ``data.path``."""
+    held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False)
+    if data.source in ("synthetic", "tfds"):
+        held_out = dataclasses.replace(held_out, split="test")
+    elif data.eval_path is not None:
+        held_out = dataclasses.replace(held_out, path=data.eval_path, hash_split=None)
+    else:
+        held_out = dataclasses.replace(held_out, hash_split="test")
+    try:
+        return next(build_pipeline(held_out, tokenizer))
+    except DataError as e:
+        if data.source != "jsonl" or data.eval_path is not None:
+            raise
+        raise DataError(f"held-out rows: {e}; give a held-out file as data.eval_path") from e

@@ -131,7 +131,7 @@ def fingerprints(tree) -> dict[str, dict[str, Any]]:
     }
 
 
-def _data_digest(data_state: Any) -> str:
+def data_digest(data_state: Any) -> str:
     return hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).hexdigest()
 
 
@@ -150,7 +150,7 @@ def config_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
 
@@ -204,7 +204,7 @@ class Checkpointer:
             "seed": seed,
             "config": self.config,
             "arrays": fingerprints(state),
-            "data_sha256": _data_digest(data_state),
+            "data_sha256": data_digest(data_state),
         }
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -220,7 +220,7 @@ class Checkpointer:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:
             raise DamagedCheckpoint(
-                f"{where}/meta: cannot read the checkpoint's metadata ({_first_line(e)})"
+                f"{where}/meta: cannot read the checkpoint's metadata ({first_line(e)})"
             ) from e
         if not isinstance(meta, dict) or meta.get("step") != step or "arrays" not in meta:
             raise DamagedCheckpoint(f"{where}/meta: not the metadata of a run checkpoint of step {step}")
@@ -266,17 +266,22 @@ class Checkpointer:
             restored = self._manager.restore(step, args=args)
         except Exception as e:
             raise DamagedCheckpoint(
-                f"{where}: cannot restore the train state or data state ({_first_line(e)})"
+                f"{where}: cannot restore the train state or data state ({first_line(e)})"
             ) from e
         compare(meta["arrays"], fingerprints(restored.state), where)
-        if _data_digest(restored.data) != meta["data_sha256"]:
+        if data_digest(restored.data) != meta["data_sha256"]:
             raise DamagedCheckpoint(f"{where}/data: the data-iterator state differs from what was saved")
         return Restored(step=step, state=restored.state, data_state=restored.data, meta=meta)
 
-    def restore(self, like: TrainState) -> Restored | None:
+    def restore(self, like: TrainState, step: int | None = None) -> Restored | None:
         """The newest intact checkpoint restored onto ``like``'s structure and shardings; None if
         there is none. Damaged ones are reported and set aside; raises :class:`CheckpointError`
-        when every checkpoint is damaged, or one is incompatible with the run."""
+        when every checkpoint is damaged, or one is incompatible with the run. With ``step``: that
+        checkpoint, or the error saying why not."""
+        if step is not None:
+            if step not in self.steps():
+                raise CheckpointError(f"{self.directory}: no checkpoint {step} (there are {self.steps()})")
+            return self._restore_step(step, like)
         damaged: list[tuple[int, DamagedCheckpoint]] = []
         for step in self.steps():
             try:

@@ -10,6 +10,8 @@ environment), so existing ``except ValueError`` code keeps working.
 
 from __future__ import annotations
 
+import re
+
 
 class QarlError(Exception):
     """Base of every error this package raises on purpose; the message is a one-line explanation."""
@@ -73,3 +75,17 @@ class ServeError(QarlError, RuntimeError):
     """The server cannot start: a port already bound, a checkpoint it cannot serve."""
 
     exit_code = 2
+
+
+class Interrupted(QarlError):
+    """The run was stopped (Ctrl-C); the message says which checkpoint a rerun resumes from."""
+
+    exit_code = 130
+
+
+def one_line(error: QarlError) -> str:
+    """How an entry point prints ``error``: its kind from the class name, then the message
+    (``CheckpointError`` -> "checkpoint error: ..."), on one line."""
+    kind = " ".join(w.lower() for w in re.findall(r"[A-Z][a-z]*", type(error).__name__))
+    message = " ".join(str(error).split("\n"))
+    return f"{kind}: {message}" if kind != "interrupted" else f"qarl: {message}"

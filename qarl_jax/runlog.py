@@ -11,6 +11,7 @@ json: no JAX, no pandas (the writer imports tensorboardX, or wandb, only when a 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from qarl_jax.errors import RunLogError
+from qarl_jax.errors import ConfigError, RunLogError
 
 EVAL_PREFIXES = ("eval/", "eval_bf16/")
 
@@ -133,9 +134,14 @@ class MetricsLog:
     mid-write) is cut. With ``tensorboard``, every numeric metric also goes to ``tb/`` as a scalar at
     its step (tags allow no "@": eval/pass@4 is written as eval/pass_4); a resumed run's event file
     starts by purging the steps past the checkpoint, so TensorBoard shows each step once too. Events
-    are flushed every step, so a killed run loses none that its checkpoint covers."""
+    are flushed every step, so a killed run loses none that its checkpoint covers. With ``wandb``
+    (``{"project": ..., "name": ...}``) the numbers also go to a Weights & Biases run (files under
+    ``wandb/``; ``WANDB_MODE=offline`` keeps them local), whose id is derived from the run directory
+    so a resumed run continues the same W&B run; wandb is imported only then."""
 
-    def __init__(self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True, wandb: dict | None = None
+    ):
         self.path = run_dir / "metrics.jsonl"
         kept = kept_lines(self.path, resume_step) if resume_step and self.path.exists() else []
         self.path.write_text("".join(line + "\n" for line in kept))
@@ -148,6 +154,9 @@ class MetricsLog:
             purge = resume_step + 1 if resume_step else None
             suffix = f".{resume_step:09d}"
             self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
+        self.wandb = None
+        if wandb is not None:
+            self.wandb = _wandb_run(run_dir, wandb["project"], wandb.get("name"))
 
     def write(self, metrics: dict) -> None:
         with self.path.open("a") as f:
@@ -157,10 +166,28 @@ class MetricsLog:
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                     self.tensorboard.add_scalar(key, value, metrics["step"])
             self.tensorboard.flush()
+        if self.wandb is not None:
+            numbers = {
+                k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            self.wandb.log({k: v for k, v in numbers.items() if k != "step"}, step=metrics["step"])
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(run_dir: pathlib.Path, project: str, name: str | None):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("run.wandb=true needs the wandb package: pip install 'qarl-jax[wandb]'") from e
+    run_id = hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=8).hexdigest()
+    return wandb.init(
+        project=project, name=name or run_dir.resolve().name, id=run_id, resume="allow", dir=str(run_dir)
+    )
 
 
 def kept_lines(path: pathlib.Path, resume_step: int) -> list[str]:

@@ -15,6 +15,7 @@ uninterrupted run makes. Timing figures are the only metrics that differ; they l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,11 +27,19 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from qarl_jax import distributed, quant, sharding
-from qarl_jax.build import build_engine, build_policy, build_tokenizer, eval_set
+from qarl_jax import distributed, quant, rundir, sharding
+from qarl_jax.build import (
+    build_engine,
+    build_policy,
+    build_tokenizer,
+    check_model_files,
+    eval_set,
+    training_data,
+)
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
 from qarl_jax.data import build_pipeline
+from qarl_jax.errors import ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
@@ -137,18 +146,52 @@ class Result:
 def train(config: Config) -> Result:
     """Run (or resume) the configured training, on this process and any others that joined with
     ``jax.distributed`` (:mod:`qarl_jax.distributed` describes the split; every process returns the
-    same summary, process 0 writes the logs)."""
+    same summary, process 0 writes the logs).
+
+    Everything that can be checked without the model is checked first (mesh, model files, data
+    files, the run directory, the checkpoint's config), and nothing is written to the run directory
+    before the resume decision (:mod:`qarl_jax.rundir`)."""
     primary = distributed.is_primary()
     run_dir = pathlib.Path(config.run.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if primary:
-        (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
-    mesh = sharding.make_mesh(config.mesh)
+    rundir.check_output_dir(run_dir)
+    mesh = _mesh(config)
+    check_model_files(config)
+    tokenizer = build_tokenizer(config)
+    host_data = distributed.host_data(training_data(config.data))
+    data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
+    held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
+    lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
+    with lock:
+        ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
+        latest = ckpt.check_resumable()
+        if primary:
+            rundir.decide(run_dir, latest, config.run.overwrite)
+            (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+            begin = f"resuming from {ckpt.directory / str(latest)}" if latest else "starting at step 0"
+            rundir.say(f"{run_dir}: {begin}; building the policy and compiling (the first step is slow)")
+        try:
+            return _train(config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary)
+        except KeyboardInterrupt:
+            ckpt.close()  # the saves already started are committed
+            step = ckpt.latest_step()
+            resume = (
+                f"rerun the same command to resume from {ckpt.directory / str(step)}"
+                if step is not None
+                else "no checkpoint was written: rerun with run.overwrite=true to start again"
+            )
+            raise Interrupted(f"interrupted; {resume}") from None
+
+
+def _mesh(config: Config):
+    try:
+        return sharding.make_mesh(config.mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e} ({jax.device_count()} device(s) here)") from e
+
+
+def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
     engine_mesh = distributed.local_mesh(config.mesh, mesh)
     place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=engine_mesh)
-    host_data = distributed.host_data(config.data)
-    tokenizer = build_tokenizer(config)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
     with (
         sharding.activate(mesh, config.mesh.rules),
         Grader(config.rewards.num_workers, config.rewards.time_limit_s) as grader,
@@ -157,7 +200,6 @@ def train(config: Config) -> Result:
         trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
         state = trainer.init_state(params)
         del params
-        data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
         restored = ckpt.restore(state)
         start = 0
         if restored is not None:
@@ -165,10 +207,11 @@ def train(config: Config) -> Result:
             data.set_state(distributed.own_data_state(restored.data_state, str(ckpt.directory / str(start))))
         quantize = jax.jit(lambda p: quant.quantize_params(p, config.quant))
         engine = build_engine(config, model, place(quantize(state.params)), tokenizer, engine_mesh)
-        held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
         evaluator = Evaluator(config, engine, tokenizer, grader, held_out, state.params, place)
         loop = Loop(config, trainer, engine, tokenizer, grader, quantize, place, evaluator)
-        log = MetricsLog(run_dir, start, config.run.tensorboard) if primary else None
+        r = config.run
+        sink = {"project": r.wandb_project, "name": r.wandb_name} if r.wandb else None
+        log = MetricsLog(run_dir, start, r.tensorboard, sink) if primary else None
         summary = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
         if start == 0:
             summary["eval_before"] = loop.evaluate(state.params)
@@ -178,21 +221,24 @@ def train(config: Config) -> Result:
         show = config.run.progress and primary
         bar = tqdm(steps, initial=start, total=config.run.steps, desc="qarl", disable=not show)
         metrics: dict = {}
-        for step in bar:
-            state, metrics = loop.step(state, next(data), step)
-            done = step + 1
-            every = config.run.eval_every
-            if done == config.run.steps or (every and done % every == 0):
-                metrics.update(loop.evaluate(state.params))
+        try:
+            for step in bar:
+                state, metrics = loop.step(state, next(data), step)
+                metrics.update({f"data/skipped_{k}": n for k, n in data.skipped_by_category().items()})
+                done = step + 1
+                every = config.run.eval_every
+                if done == config.run.steps or (every and done % every == 0):
+                    metrics.update(loop.evaluate(state.params))
+                if log is not None:
+                    log.write(metrics)
+                if done % config.run.log_every == 0:
+                    bar.set_postfix(_postfix(metrics), refresh=False)
+                every = config.run.checkpoint_every
+                if done == config.run.steps or (every and done % every == 0):
+                    data_state = distributed.data_state_to_save(data.get_state())
+                    ckpt.save(done, state, data_state, config.seed)
+            ckpt.close()
+        finally:
             if log is not None:
-                log.write(metrics)
-            if done % config.run.log_every == 0:
-                bar.set_postfix(_postfix(metrics), refresh=False)
-            every = config.run.checkpoint_every
-            if done == config.run.steps or (every and done % every == 0):
-                data_state = distributed.data_state_to_save(data.get_state())
-                ckpt.save(done, state, data_state, config.seed)
-        ckpt.close()
-        if log is not None:
-            log.close()
+                log.close()
     return Result(summary | {"final": metrics}, state, model)

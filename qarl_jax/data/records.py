@@ -17,6 +17,15 @@ AnswerFormat = Literal["gsm8k", "plain"]
 Record = dict[str, Any]
 
 
+CATEGORIES = ("malformed", "too_long", "empty", "undecodable")  # what the metrics count skips by
+_CATEGORY = {"bad_utf8": "undecodable", "empty_prompt": "empty", "too_long": "too_long"}
+
+
+def category(reason: str) -> str:
+    """The metrics' category of a rejection reason (every reason not named is ``malformed``)."""
+    return _CATEGORY.get(reason, "malformed")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rejected:
     """A row that did not become a record: why (a short counter key), where, and the detail."""

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 import shutil
 import sys
 from typing import Any
@@ -155,6 +156,22 @@ def first_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
+def read_failure(e: BaseException, where: pathlib.Path) -> DamagedCheckpoint:
+    """A failed orbax read as a one-line report naming the array whose data did not decode (from
+    TensorStore's spec in the message: its key inside the OCDBT store) and the state directory."""
+    chain, cause = [], e
+    while cause is not None and len(chain) < 8:
+        chain.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    arrays = re.findall(r"'path': '([^'/][^']*)/'", "\n".join(chain))
+    if arrays:
+        return DamagedCheckpoint(
+            f"{where}/state: array {arrays[0]} cannot be read back (its data file under {where}/state is "
+            f"damaged: {first_line(e)[:80]})"
+        )
+    return DamagedCheckpoint(f"{where}: cannot restore the train state or data state ({first_line(e)})")
+
+
 def _say(message: str) -> None:
     if jax.process_index() == 0:
         print(message, file=sys.stderr, flush=True)
@@ -265,9 +282,7 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as e:
-            raise DamagedCheckpoint(
-                f"{where}: cannot restore the train state or data state ({first_line(e)})"
-            ) from e
+            raise read_failure(e, where) from e
         compare(meta["arrays"], fingerprints(restored.state), where)
         if data_digest(restored.data) != meta["data_sha256"]:
             raise DamagedCheckpoint(f"{where}/data: the data-iterator state differs from what was saved")

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if not args.print_config:
         print("qarl: starting (importing JAX and the model code)", file=sys.stderr, flush=True)
     # imported here, after the status line: JAX, Flax and optax take seconds to import

@@ -35,7 +35,8 @@ class JsonlSource:
     """Random-access source over the valid rows of one JSONL file; ids are ``file:line``.
 
     ``hash_split`` ("train" / "test") keeps only the rows on that side of the content-hash split of
-    their prompt text (:func:`qarl_jax.data.synthetic.split_of`). Under ``skip``, fewer than
+    their prompt text (:func:`qarl_jax.data.synthetic.split_of`); rows that do not parse are
+    counted on the training side only. Under ``skip``, fewer than
     ``min_valid_fraction`` of the rows valid is a :class:`DataError` naming file and limit; the
     first skipped row is logged once, with its line."""
 
@@ -65,6 +66,8 @@ class JsonlSource:
                 row = _parse_line(raw, origin)
                 if not isinstance(row, Rejected):
                     row = make_record(row, prompt_key, answer_key, answer_format, origin)
+                if isinstance(row, Rejected) and hash_split == "test":
+                    continue  # a row without a prompt to hash: counted (once) by the training side
                 if not isinstance(row, Rejected) and hash_split and split_of(row["prompt"]) != hash_split:
                     continue  # the other side of the split: not a row of this source
                 rows += 1

@@ -16,12 +16,19 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
-from qarl_jax.checkpoint import DamagedCheckpoint, compare, data_digest, fingerprints, first_line
+from qarl_jax.checkpoint import (
+    DamagedCheckpoint,
+    compare,
+    data_digest,
+    fingerprints,
+    first_line,
+    read_failure,
+)
 from qarl_jax.errors import CheckpointError
 
 
 def _steps(path: pathlib.Path) -> tuple[pathlib.Path, list[int]]:
-    if path.name.isdigit() and path.parent.name == "checkpoints":
+    if path.name.isdigit() and (path / "meta").is_dir():  # one step
         return path.parent, [int(path.name)]
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
@@ -47,7 +54,7 @@ def verify_step(manager: ocp.CheckpointManager, directory: pathlib.Path, step: i
     try:
         restored = manager.restore(step, args=args)
     except Exception as e:
-        raise DamagedCheckpoint(f"{where}: cannot read the arrays ({first_line(e)})") from e
+        raise read_failure(e, where) from e
     compare(meta["arrays"], fingerprints(restored.state), where)
     if data_digest(restored.data) != meta.get("data_sha256"):
         raise DamagedCheckpoint(f"{where}/data: the data-iterator state differs from what was saved")

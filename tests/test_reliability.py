@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from qarl_jax import rundir
 from qarl_jax.checkpoint import Checkpointer, fingerprints
-from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
+from qarl_jax.data import DataConfig, SyntheticConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.data.jsonl import JsonlSource
 from qarl_jax.errors import CheckpointError, DataError, GraderError, RunDirError
 from qarl_jax.main import main
@@ -170,6 +170,11 @@ def test_data_loss_is_counted_by_reason_and_a_threshold_stops_naming_file_and_li
         DataError, match=rf"{path}: only 2 of 8 rows are valid, below data.min_valid_fraction=0.5"
     ):
         build_pipeline(DataConfig(source="jsonl", path=str(path), min_valid_fraction=0.5), tok)
+    few = DataConfig(max_prompt_tokens=25, min_valid_fraction=0.99, synthetic=SyntheticConfig(size=40))
+    with pytest.raises(DataError, match=r"synthetic: \d+ of the \d+ rows drawn were skipped.*=0.99"):
+        rows = build_pipeline(few, tok)
+        for _ in range(40):
+            next(rows)  # over-long rows only show while iterating
     long = DataConfig(source="jsonl", path=str(path), max_prompt_tokens=3)
     with pytest.raises(DataError, match=rf"{path}: a whole epoch of rows was rejected.*max_prompt_tokens=3"):
         build_pipeline(long, tok)

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import pathlib
 import socket
 import sys
@@ -169,10 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
             step = export_run(*run, export)
             print(f"serving {run[0]}, checkpoint {step}", file=sys.stderr, flush=True)
             path = export
-        # TensorFlow's C++ logs read their level when TensorFlow loads (JetStream imports it), and
-        # the orchestrator sets the root logger to DEBUG when imported: set both around the import
-        quiet = logging.getLevelNamesMapping()[args.log_level] >= logging.WARNING
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2" if quiet else "0")
+        # the orchestrator sets the root logger to DEBUG when imported: import it, then set the level
         from qarl_jax.rollout.jetstream_engine import Server, quiet_orchestrator_logs
 
         quiet_orchestrator_logs(getattr(logging, args.log_level))

@@ -39,19 +39,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
-from qarl_jax.checkpoint import CheckpointError
-from qarl_jax.config import ConfigError
 from qarl_jax.data import DataConfig
+from qarl_jax.errors import CheckpointError, ConfigError, DistributedError
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
     "process_id": "JAX_PROCESS_ID",
 }
-
-
-class DistributedError(RuntimeError):
-    """An incomplete or invalid multi-process setup; the message names the flag or variable."""
 
 
 def _env_int(name: str) -> int | None:

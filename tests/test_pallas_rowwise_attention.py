@@ -152,7 +152,7 @@ def run_attn(backend, *args, block_kv=BLOCK_KV):
 def test_attention_lowers_for_platform(backend):
     q, k, v, pos, st, seg = packed_inputs()
     q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    fn = lambda *a: ATTN[backend].attention(*a, block_kv=BLOCK_KV)  # noqa: E731
+    fn = lambda *a: ATTN[backend].attention(*a, block_kv=BLOCK_KV)
     assert PLATFORM[backend][1] in lowered_text(backend, fn, (q, k, v, pos, st, seg, seg))
     assert PLATFORM[backend][1] in lowered_text(
         backend, fn, (q[:, :1], k, v, pos[:, :1])
@@ -169,7 +169,7 @@ def test_attention_matches_f64_and_decode_equals_full_sequence(backend):
     # decode over a cache: segment 1 in row 0 of a 40-slot cache (unwritten slots masked by -1),
     # an unrelated sequence in row 1; one query per row, at positions 20 and 3.
     s, (a, n) = 40, (LENS[0], LENS[1])
-    cache = lambda x, other: jnp.zeros((2, s, KV, D)).at[0, :n].set(x[0, a:]).at[1, :n].set(other)  # noqa: E731
+    cache = lambda x, other: jnp.zeros((2, s, KV, D)).at[0, :n].set(x[0, a:]).at[1, :n].set(other)
     kc, vc = cache(k, rand((n, KV, D), 13)), cache(v, rand((n, KV, D), 14))
     kseg = jnp.asarray(np.where(np.arange(s) < n, 0, -1)[None].repeat(2, 0), jnp.int32)
     p = jnp.array([[20], [3]], jnp.int32)

@@ -105,7 +105,7 @@ def grouped_matmul(
     wv = block_sizes.pad_axis(wv, 2, n_pad)
     n_exp, k_rows = wv.shape[:2]
     args = [*tiles, xk, wv]
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))
     in_specs = [whole((num_tiles,))] * 4 + [
         whole((m_pad, k_pad)),
         pl.BlockSpec((n_exp, k_rows, bn), lambda t, j: (0, 0, j)),

@@ -102,7 +102,7 @@ class Attention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)  # noqa: E731
+        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)
         q = dense(h * d, ("embed", "q_heads"), "q_proj")(x).reshape(b, t, h, d)
         k = dense(kv * d, ("embed", "kv_heads"), "k_proj")(x).reshape(b, t, kv, d)
         v = dense(kv * d, ("embed", "kv_heads"), "v_proj")(x).reshape(b, t, kv, d)
@@ -128,7 +128,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)  # noqa: E731
+        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)
         gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
         up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
         hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))

@@ -235,8 +235,8 @@ class Trainer:
         slice of each device's own rows (no resharding); one chunk's shape, one compile."""
         n = batch["tokens"].shape[0]
         chunks = n // self._score_rows(n)
-        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)  # noqa: E731
-        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])  # noqa: E731
+        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)
+        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])
 
         def one(chunk):
             return score(self.model, params, *(chunk[k] for k in FORWARD_KEYS), self.train.temperature)
@@ -299,7 +299,7 @@ class Trainer:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = dataclasses.replace(  # the reference (if any) passes through
             state,
             params=keep(new_params, state.params),

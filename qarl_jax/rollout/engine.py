@@ -1,4 +1,4 @@
-"""The rollout engine core: bucketed prefill, insert into a decode slot, one generate step for all
+r"""The rollout engine core: bucketed prefill, insert into a decode slot, one generate step for all
 slots, over a preallocated KV cache. Plain JAX (no JetStream, no TensorFlow).
 
 Shapes are fixed per call family, so compilation is bounded: generate compiles once; prefill once
@@ -9,13 +9,19 @@ the training forward computes for K and V.
 
 Sample randomness is keyed by (seed, prompt index, sample index) and the token's index in the
 sample, never by slot or step: a sample's tokens do not depend on what ran beside it.
+
+A :class:`DecodeHook` observes the decode forward without changing it: its ``collect`` runs inside
+the jitted prefill and generate calls on the forward's "intermediates" (what the model ``sow``\ s,
+e.g. the MoE routing) and the host calls hand it what ``collect`` returned, with the requests each
+insert placed, so a tool can file per-token internals by sample.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +154,19 @@ def _column(values: Sequence, size: int, dtype, fill=0) -> np.ndarray:
     return out
 
 
+class DecodeHook(Protocol):
+    """What the engine tells an observer of its decode forward (see the module docstring)."""
+
+    def collect(self, positions: jax.Array, intermediates: dict) -> Any:
+        """Traced: the arrays to keep from one forward (``positions`` [rows, T])."""
+
+    def prefilled(self, prompts: Sequence[Sequence[int]], collected: Any) -> None: ...
+
+    def inserted(self, requests: Sequence[SlotRequest]) -> None: ...
+
+    def generated(self, out: StepOutput, collected: Any) -> None: ...
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
     """The smallest bucket >= n."""
     for b in buckets:
@@ -178,15 +197,18 @@ class RolloutEngine:
         config: EngineConfig = EngineConfig(),
         mesh: Mesh | None = None,
         rules=sharding.DEFAULT_RULES,
+        hook: DecodeHook | None = None,
     ):
         self.model, self.config, self.mesh, self.rules = model, config, mesh, rules
+        self.hook = hook
+        self._collected = None  # a traced forward's hook output, read back within the same trace
         self.params = params
         self._param_shardings = jax.tree.map(lambda x: x.sharding, params)
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self._eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
-        self._prefill = jax.jit(self._prefill_impl)
+        self._prefill = jax.jit(self._with_collected(self._prefill_impl))
         self._insert = jax.jit(self.insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self.generate_impl, donate_argnums=(1,))
+        self._generate = jax.jit(self._with_collected(self.generate_impl), donate_argnums=(1,))
         self._release = jax.jit(self._release_impl, donate_argnums=(0,))
         self.state: DecodeState | None = None
 
@@ -261,12 +283,18 @@ class RolloutEngine:
         lens = np.ones((rows,), np.int32)
         lens[: len(prompts)] = lengths
         with self.context():
-            return self._prefill(params, tokens, lens)
+            prefix = self._prefill(params, tokens, lens)
+        if self.hook is not None:
+            prefix, collected = prefix
+            self.hook.prefilled(prompts, collected)
+        return prefix
 
     def insert(self, prefix: Prefix, state: DecodeState, requests: Sequence[SlotRequest], seed: int):
         """Start samples in slots from prefix rows; samples each one's first token.
 
         Returns (state, StepOutput [len(requests) padded to a bucket]) for those first tokens."""
+        if self.hook is not None:
+            self.hook.inserted(requests)
         with self.context():
             return self._insert(prefix, state, self.insert_columns(requests), np.int32(seed))
 
@@ -287,7 +315,12 @@ class RolloutEngine:
     def generate(self, params, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One token for every live slot (state donated: the cache is updated in place)."""
         with self.context():
-            return self._generate(params, state)
+            out = self._generate(params, state)
+        if self.hook is None:
+            return out
+        (state, step), collected = out
+        self.hook.generated(step, collected)
+        return state, step
 
     def release_slots(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Mark slots empty (a sample stopped on the host, e.g. by a stop string)."""
@@ -315,7 +348,26 @@ class RolloutEngine:
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
     def _apply_decode(self, params, tokens, positions, cache):
-        return self.model.apply({"params": params}, tokens, positions, cache, method="decode")
+        variables = {"params": params}
+        if self.hook is None:
+            return self.model.apply(variables, tokens, positions, cache, method="decode")
+        out, state = self.model.apply(
+            variables, tokens, positions, cache, method="decode", mutable=["intermediates"]
+        )
+        self._collected = self.hook.collect(positions, state["intermediates"])
+        return out
+
+    def _with_collected(self, fn: Callable) -> Callable:
+        """``fn``, returning also what the hook collected in its trace (``fn`` itself without a hook)."""
+        if self.hook is None:
+            return fn
+
+        def call(*args):
+            out = fn(*args)
+            collected, self._collected = self._collected, None
+            return out, collected
+
+        return call
 
     def _prefill_impl(self, params, tokens, lengths) -> Prefix:
         p, t = tokens.shape

@@ -53,22 +53,19 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from qarl_jax import quant, sharding
+from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
+from qarl_jax.errors import PlanError
 from qarl_jax.models import KVCache, Qwen3Config, Qwen3ForCausalLM, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig
 from qarl_jax.rollout.engine import bucket
-from qarl_jax.train import model_dir
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
 PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cache")
 PHASES = ("rollout", "scoring", "update")
-
-
-class PlanError(ValueError):
-    """A config that cannot run on the stated mesh; the message names what does not divide."""
 
 
 def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3Config, str]:

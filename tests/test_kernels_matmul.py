@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels_pallas as kp
-from kernels_pallas import cpu_matmul
 from kernels_pallas.formats import int_values
+from kernels_pallas.matmul import cpu as cpu_matmul
 
 K, N = 256, 48
 GROUP = {"bf16": None, "w8a8": None, "w4a16": 64, "w4a8": 64}

@@ -4,8 +4,8 @@ Every operation is a package with one module per backend (``cpu``, ``gpu``: Pall
 Pallas Mosaic). A backend module is imported on its first call, so importing ``kernels_pallas``
 never imports Pallas' Triton or Mosaic front ends, and a machine without one still runs the others.
 
-A call's :class:`Target` (backend, Pallas interpreter or not, the caller's tiling overrides) is
-hashable so custom VJPs can take it as a static argument.
+Every public function takes the same keyword :class:`Options` (backend, interpreter, tiling);
+they resolve to a :class:`Target`, hashable so custom VJPs can take it as a static argument.
 """
 
 from __future__ import annotations
@@ -14,13 +14,42 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypedDict
 
 import jax
 
 BACKENDS = ("cpu", "gpu", "tpu")
+_NOT_KNOBS = ("out_dtype", "interpret", "eps", "theta", "block_v", "block_kv")  # a kernel's other keywords
 Knob = int | bool | str
+
+
+class Options(TypedDict, total=False):
+    """The keyword options of every public kernel function. Tiling knobs fix the program a row
+    runs: pass the same ones to every call whose rows are compared. A knob the backend's kernel
+    does not have is an error; None keeps the default.
+
+    backend     "cpu" (plain JAX), "gpu" (Pallas-Triton) or "tpu" (Pallas Mosaic); None or absent:
+                ``jax.default_backend()``
+    interpret   run the GPU/TPU kernel in Pallas' interpreter (on a CPU)
+    block_rows  CPU: rows (attention: query tokens) per block
+    block_m, block_n, block_k   GPU/TPU matmuls: rows, columns and K per tile / step
+    num_warps, num_stages, split_k, swap_ab, int_dot   GPU matmuls (see ``_tiling.Blocks``);
+                attention takes ``num_warps``
+    """
+
+    backend: str | None
+    interpret: bool
+    block_rows: int | None
+    block_m: int | None
+    block_n: int | None
+    block_k: int | None
+    num_warps: int | None
+    num_stages: int | None
+    split_k: int | None
+    swap_ab: bool | None
+    int_dot: str | None
 
 
 def resolve(backend: str | None) -> str:
@@ -56,26 +85,32 @@ class Target:
         """The backend's ``name`` kernel of ``op`` with this target's interpreter flag and knobs."""
         fn = getattr(load(op, self.backend), name)
         knobs = dict(self.tiling)
-        accepted = inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters.values()
+        accepted = [
+            p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in ("out_dtype", "interpret")
+        ]
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in params)  # the kernel checks its own knobs
         unknown = sorted(set(knobs) - set(accepted))
-        if unknown:
-            offered = sorted(p.name for p in accepted.values() if p.kind is p.KEYWORD_ONLY)
+        if unknown and not open_ended:
             raise TypeError(
-                f"the {self.backend} {op}.{name} kernel has no tiling knob {unknown[0]!r}; it takes {offered}"
+                f"the {self.backend} {op}.{name} kernel has no tiling knob {unknown[0]!r}; takes {accepted}"
             )
         if self.backend != "cpu":
             knobs["interpret"] = self.interpret
         return functools.partial(fn, **knobs)
 
 
-def target(
-    backend: str | None, interpret: bool = False, tiling: Mapping[str, Knob | None] | None = None
-) -> Target:
-    """The :class:`Target` of a public call; ``tiling`` entries that are None keep the defaults."""
-    backend = resolve(backend)
+def target(options: Options) -> Target:
+    """The :class:`Target` of a public call's options."""
+    options = dict(options)
+    unknown = sorted(set(options) - set(Options.__annotations__))
+    if unknown:
+        raise TypeError(f"unknown option {unknown[0]!r}; the options are {sorted(Options.__annotations__)}")
+    backend = resolve(options.pop("backend", None))
+    interpret = bool(options.pop("interpret", False))
     if interpret and backend == "cpu":
         raise ValueError(
             "interpret=True runs a Pallas kernel in its interpreter: pass backend='gpu' or 'tpu'"
         )
-    knobs = tuple(sorted((k, v) for k, v in (tiling or {}).items() if v is not None))
-    return Target(backend, bool(interpret), knobs)
+    knobs = tuple(sorted((k, v) for k, v in options.items() if v is not None))
+    return Target(backend, interpret, knobs)

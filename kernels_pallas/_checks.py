@@ -57,3 +57,9 @@ def group_sizes(sizes: jax.Array, experts: int) -> None:
         raise ValueError(
             f"group_sizes must be an integer array of shape ({experts},); got {sizes.dtype} {sizes.shape}"
         )
+
+
+def master_weight(w: jax.Array, ndim: int) -> None:
+    """A straight-through estimator's full-precision weight: [K, N], or the experts' [E, K, N]."""
+    if w.ndim != ndim:
+        raise ValueError(f"w_master must be {'[E, K, N]' if ndim == 3 else '[K, N]'}, got shape {w.shape}")

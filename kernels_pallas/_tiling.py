@@ -10,6 +10,7 @@ log-probs. M only decides how many row blocks run (rows are padded to a block mu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,12 @@ class Blocks:
     swap_ab: bool = False
     int_dot: str = "int8"
 
-    def override(self, **knobs: int | bool | str | None) -> Blocks:
-        """These blocks with the caller's non-None knobs."""
+    def override(self, allowed: tuple[str, ...] | None = None, **knobs: int | bool | str | None) -> Blocks:
+        """These blocks with the caller's non-None knobs (only the ``allowed`` fields, if given)."""
+        allowed = allowed or tuple(f.name for f in dataclasses.fields(self))
+        unknown = sorted(set(knobs) - set(allowed))
+        if unknown:
+            raise TypeError(f"this kernel has no tiling knob {unknown[0]!r}; it takes {list(allowed)}")
         return dataclasses.replace(self, **{k: v for k, v in knobs.items() if v is not None})
 
 
@@ -99,3 +104,20 @@ def pad_axis(a: jax.Array, axis: int, size: int, value: float = 0) -> jax.Array:
 def pad_to_block(a: jax.Array, block: int, axis: int = 0, value: float = 0) -> jax.Array:
     """``axis`` padded up to a multiple of ``block`` (at least one block)."""
     return pad_axis(a, axis, round_up(max(a.shape[axis], 1), block), value)
+
+
+def tiled(configure: Callable[..., Hashable]) -> Callable[[Callable], Callable]:
+    """Make ``kernel(x, w, *args, out_dtype, interpret, tiling)`` an entry point taking the caller's
+    tiling knobs: ``configure(w, **knobs)`` resolves them, outside the trace, to the hashable tiling
+    the jitted kernel compiles for (``out_dtype``, ``interpret`` and ``tiling`` static)."""
+
+    def wrap(kernel: Callable) -> Callable:
+        jitted = jax.jit(kernel, static_argnames=("out_dtype", "interpret", "tiling"))
+
+        def entry(x, w, *args, out_dtype, interpret: bool = False, **knobs):
+            return jitted(x, w, *args, out_dtype=out_dtype, interpret=interpret, tiling=configure(w, **knobs))
+
+        entry.__name__, entry.__doc__ = kernel.__name__, kernel.__doc__
+        return entry
+
+    return wrap

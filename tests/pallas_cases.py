@@ -11,6 +11,7 @@ import numpy as np
 
 import kernels_pallas as kp
 from kernels_pallas import formats
+from kernels_pallas.matmul.reference import reference_matmul
 
 # backend -> (lowering platform, the custom call its kernels lower to)
 PLATFORM = {"gpu": ("cuda", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
@@ -59,3 +60,11 @@ class MatmulCases:
     def lowers(self, fn, *args) -> bool:
         """``fn(x, w, ...)`` lowered with the backend's (compiled, not interpreted) kernels."""
         return lowers(self.backend, fn, *args)
+
+    def assert_bf16_in_bf16_out(self) -> None:
+        """bf16 activations give a bf16 output by default, near the float64 reference."""
+        x, w = self.acts(3, dtype=jnp.bfloat16), self.weight("w4a16")
+        y = self.matmul(x, w)
+        assert y.dtype == jnp.bfloat16 and y.shape == (3, self.n)
+        ref = reference_matmul(np.asarray(x.astype(jnp.float32)), w)
+        np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)

@@ -22,7 +22,8 @@ rowwise.token_logprobs(x, jnp.zeros(2, jnp.int32), 0.7, backend="cpu").block_unt
 after = {m.split(".")[0] for m in sys.modules}
 pallas = sorted(m for m in sys.modules if "pallas" in m and not m.startswith("kernels_pallas"))
 ours = sorted(m for m in sys.modules if m.startswith("kernels_pallas"))
-print(json.dumps({"new": sorted(after - before - set(sys.stdlib_module_names)), "pallas": pallas, "ours": ours}))
+new = sorted(after - before - set(sys.stdlib_module_names))
+print(json.dumps({"new": new, "pallas": pallas, "ours": ours}))
 """
 
 

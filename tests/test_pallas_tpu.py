@@ -63,11 +63,7 @@ def test_invariance_check_can_fail():
 
 
 def test_bf16_inputs_default_out_dtype():
-    x, w = acts(3, dtype=jnp.bfloat16), weight("w4a16")
-    y = CASES.matmul(x, w)
-    assert y.dtype == jnp.bfloat16 and y.shape == (3, N)
-    ref = reference_matmul(np.asarray(x.astype(jnp.float32)), w)
-    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
+    CASES.assert_bf16_in_bf16_out()
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)

@@ -16,19 +16,21 @@ position 0 (None: 0, the KV-cache layout; a packed row passes ``t - positions``)
 ``segment_ids`` [B, T] / ``kv_segment_ids`` [B, S]: a key is visible only within the query's
 segment. Requires ``starts >= 0`` (positions never run ahead of the row index).
 
-``interpret=True`` runs the GPU/TPU kernel in Pallas' interpreter; ``**tiling``: CPU
-``block_rows`` (query tokens per block), GPU ``num_warps``. The backward (custom VJP) is the dense
+Keyword options: ``block_kv`` (keys per block, every backend; default :func:`default_block_kv`)
+and the kernel :class:`kernels_pallas._backend.Options` (CPU ``block_rows``: query tokens per
+block; GPU ``num_warps``). The backward (custom VJP) is the dense
 XLA formula: gradients need not be invariant.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 
 from kernels_pallas import _backend
-from kernels_pallas._backend import Knob
+from kernels_pallas._backend import Options
 from kernels_pallas.attention.reference import reference_attention
 
 
@@ -67,9 +69,7 @@ def attention(
     kv_segment_ids: jax.Array | None = None,
     *,
     block_kv: int | None = None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
+    **options: Unpack[Options],
 ) -> jax.Array:
     """Causal grouped-query attention, every query bitwise independent of batch, packing and cache
     length (see the module docstring for the layout). Returns [B, T, H, D] in q's dtype."""
@@ -82,6 +82,7 @@ def attention(
         raise ValueError(f"positions/starts must be [B, T] = {(b, t)}")
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both segment_ids and kv_segment_ids, or neither")
-    target = _backend.target(backend, interpret, tiling)
     block_kv = block_kv or default_block_kv(d)
-    return _attention(q, k, v, positions, starts, segment_ids, kv_segment_ids, block_kv, target)
+    return _attention(
+        q, k, v, positions, starts, segment_ids, kv_segment_ids, block_kv, _backend.target(options)
+    )

@@ -93,16 +93,7 @@ def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, b
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "interpret"))
 def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    starts: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    *,
-    block_kv: int,
-    interpret: bool = False,
+    q, k, v, positions, starts, segment_ids, kv_segment_ids, *, block_kv, interpret=False
 ) -> jax.Array:
     """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`)."""
     b, t, h, d = q.shape

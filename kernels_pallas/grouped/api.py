@@ -3,22 +3,24 @@
 Dropless, static shapes, per-token invariant: rows of x are sorted by expert in contiguous groups
 (``group_sizes[e]`` rows for expert e) and each row's bits are the dense kernel's on that row,
 whatever the other tokens, the group sizes of the other experts, or M. Rows past
-``sum(group_sizes)`` give zeros (as ``jax.lax.ragged_dot``). ``interpret`` and ``**tiling`` as in
-:func:`kernels_pallas.quantized_matmul` (the GPU kernel takes every dense knob but ``split_k``).
+``sum(group_sizes)`` give zeros (as ``jax.lax.ragged_dot``). Keyword options as
+:func:`kernels_pallas.quantized_matmul`'s (the GPU kernel takes every dense knob but ``split_k``).
 The STE's backward is ``lax.ragged_dot`` on the dequantized weight (see ``matmul.api``).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import _backend, _checks
-from kernels_pallas._backend import Knob, Target
-from kernels_pallas.formats import QuantizedWeight, Quantizer, dequantize, quantize
+from kernels_pallas._backend import Options, Target
+from kernels_pallas.formats import QuantizedWeight, dequantize, quantize
+from kernels_pallas.matmul.api import SteOptions, out_dtype_of
 
 
 def _grouped(
@@ -30,19 +32,11 @@ def _grouped(
 
 
 def grouped_matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    group_sizes: jax.Array,
-    *,
-    out_dtype=None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
+    x: jax.Array, w: QuantizedWeight, group_sizes: jax.Array, *, out_dtype=None, **options: Unpack[Options]
 ) -> jax.Array:
     """x [M, K] (rows sorted by expert) x w [E, K, N] -> [M, N]; each row bitwise independent of the
     other rows and of the group sizes other than its own expert's."""
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    return _grouped(x, w, group_sizes, out_dtype, _backend.target(backend, interpret, tiling))
+    return _grouped(x, w, group_sizes, out_dtype_of(x, out_dtype), _backend.target(options))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -77,16 +71,10 @@ def grouped_matmul_ste(
     group_sizes: jax.Array,
     fmt: str,
     group_size: int | None = None,
-    *,
-    out_dtype=None,
-    backend: str | None = None,
-    interpret: bool = False,
-    quantizer: Quantizer = quantize,
-    **tiling: Knob | None,
+    **options: Unpack[SteOptions],
 ) -> jax.Array:
     """grouped_matmul(x, quantizer(w_master [E, K, N]), group_sizes), differentiable in x and w_master."""
-    if w_master.ndim != 3:
-        raise ValueError(f"w_master must be [E, K, N], got shape {w_master.shape}")
-    target = _backend.target(backend, interpret, tiling)
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    _checks.master_weight(w_master, ndim=3)
+    out_dtype, quantizer = out_dtype_of(x, options.pop("out_dtype", None)), options.pop("quantizer", quantize)
+    target = _backend.target(options)
     return _grouped_ste(x, w_master, group_sizes, fmt, group_size, out_dtype, target, quantizer)

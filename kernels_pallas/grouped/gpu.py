@@ -17,20 +17,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas._tiling import tiled
 from kernels_pallas._triton import compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight
 from kernels_pallas.grouped.common import group_tiles
-from kernels_pallas.matmul.common import compute_dtype, finish, operands
+from kernels_pallas.matmul.common import compute_dtype, finish, kernel_refs, operands
 from kernels_pallas.matmul.gpu import Tiling, accumulate, configure
 
 
 def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt):
     has_scales = WEIGHT_BITS[fmt] is not None
     int_act = ACT_BITS[fmt] == 8
-    te_ref, tb_ref, tlo_ref, thi_ref, x_ref, w_ref, *rest = refs
-    s_ref = rest.pop(0) if has_scales else None
-    sx_ref = rest.pop(0) if int_act else None
-    _, o_ref = rest  # rest[0] is the zero-filled output it aliases
+    te_ref, tb_ref, tlo_ref, thi_ref, *refs = refs
+    x_ref, w_ref, s_ref, sx_ref, (_, o_ref) = kernel_refs(refs, has_scales, int_act)  # _: the zeroed output
     block_m, block_n = tiling.block_m, tiling.block_n
     t = pl.program_id(0)
     e, rb, lo, hi = te_ref[t], tb_ref[t], tlo_ref[t], thi_ref[t]
@@ -55,35 +54,21 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt):
         pltriton.store(o_ref.at[pl.ds(row0, block_m), :], y, mask=(rows >= lo) & (rows < hi))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
-        "swap_ab", "int_dot",
-    ),
-)  # fmt: skip
+def configure_grouped(w: QuantizedWeight, **knobs) -> Tiling:
+    """The dense tiling without its split-K (the expert tiles already give the launch many programs)."""
+    if "split_k" in knobs:
+        raise TypeError("the grouped GPU kernel has no split_k: its expert tiles already fill the GPU")
+    return configure(w, **knobs, split_k=1)
+
+
+@tiled(configure_grouped)
 def grouped_matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    group_sizes: jax.Array,
-    *,
-    out_dtype,
-    interpret: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    swap_ab: bool | None = None,
-    int_dot: str | None = None,
+    x, w: QuantizedWeight, group_sizes, *, out_dtype, interpret: bool, tiling: Tiling
 ) -> jax.Array:
     """``out[r] = x[r] @ w[e(r)]`` for rows sorted by expert (operands already checked); rows past
     ``sum(group_sizes)`` come out zero. Block sizes as the dense kernel's (from (K, N) only)."""
+    t = tiling
     fmt = w.fmt
-    t = configure(
-        w, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-        num_stages=num_stages, split_k=1, swap_ab=swap_ab, int_dot=int_dot,
-    )  # fmt: skip
     bm, bn = t.block_m, t.block_n
     m = x.shape[0]
     tiles = group_tiles(group_sizes, m, bm)

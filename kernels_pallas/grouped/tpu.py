@@ -20,21 +20,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._mosaic import ARBITRARY, PARALLEL, compiler_params, interpret_mode
-from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight
+from kernels_pallas._tiling import Blocks, tiled
+from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight
 from kernels_pallas.grouped.common import group_tiles
-from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, operands
-from kernels_pallas.matmul.tpu import accumulate_step, configure, scale_operand
+from kernels_pallas.matmul.common import acc_dtype, compute_dtype, operands
+from kernels_pallas.matmul.tpu import configure, k_step, plan, scale_operand, split_refs
 
 
-def _kernel(
-    te_ref, tb_ref, tlo_ref, thi_ref, *refs, fmt: str, group_size: int, step_k: int, block_m: int, cdt
-):
-    has_scales = WEIGHT_BITS[fmt] is not None
-    int_act = ACT_BITS[fmt] == 8
-    x_ref, w_ref, *rest = refs
-    s_ref = rest.pop(0) if has_scales else None
-    sx_ref = rest.pop(0) if int_act else None
-    o_ref, acc_ref = rest
+def _kernel(te_ref, tb_ref, tlo_ref, thi_ref, *refs, block_m: int, **cfg):
+    x_ref, w_ref, s_ref, sx_ref, (o_ref, acc_ref) = split_refs(refs, cfg["fmt"])
     t, kk = pl.program_id(1), pl.program_id(2)
     rb, lo, hi = tb_ref[t], tlo_ref[t], thi_ref[t]
     first_visit = jnp.logical_or(t == 0, tb_ref[jnp.maximum(t - 1, 0)] != rb)
@@ -43,39 +37,24 @@ def _kernel(
     def _():
         o_ref[...] = jnp.zeros_like(o_ref)
 
+    def store(y):  # only this tile's expert rows of the output block
+        rows = rb * block_m + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
+        o_ref[...] = jnp.where((rows >= lo) & (rows < hi), y.astype(o_ref.dtype), o_ref[...])
+
     @pl.when(hi > lo)
     def _():
-        @pl.when(kk == 0)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-        accumulate_step(x_ref, w_ref, s_ref, acc_ref, fmt=fmt, group_size=group_size, step_k=step_k, cdt=cdt)
-
-        @pl.when(kk == pl.num_programs(2) - 1)
-        def _():
-            s_w = s_ref[...] if fmt == "w8a8" else None
-            s_x = sx_ref[...] if int_act else None
-            y = finish(acc_ref[...], fmt, s_w, s_x).astype(o_ref.dtype)
-            rows = rb * block_m + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
-            o_ref[...] = jnp.where((rows >= lo) & (rows < hi), y, o_ref[...])
+        k_step(x_ref, w_ref, s_ref, sx_ref, acc_ref, store, **cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k"))
+@tiled(configure)
 def grouped_matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    group_sizes: jax.Array,
-    *,
-    out_dtype,
-    interpret: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
+    x, w: QuantizedWeight, group_sizes, *, out_dtype, interpret: bool, tiling: Blocks
 ) -> jax.Array:
     """``out[r] = x[r] @ w[e(r)]`` for rows sorted by expert (operands already checked); rows past
-    ``sum(group_sizes)`` come out zero."""
+    ``sum(group_sizes)`` come out zero. Blocks as the dense kernel's."""
+    blocks = tiling
     fmt = w.fmt
-    blocks, (bn, n_pad, step, k_pad) = configure(w, block_m=block_m, block_n=block_n, block_k=block_k)
+    bn, n_pad, step, k_pad = plan(w, blocks)
     bm = blocks.block_m
     m = x.shape[0]
     tiles = group_tiles(group_sizes, m, bm)

@@ -1,11 +1,8 @@
 """Public dense quantized matmul, and its straight-through estimator for training.
 
 ``quantized_matmul`` checks its operands once and runs the backend's kernel (CPU: plain JAX over
-fixed row blocks; GPU: Pallas-Triton; TPU: Pallas Mosaic). ``interpret=True`` runs the GPU/TPU
-kernel in Pallas' interpreter (on a CPU); ``**tiling`` overrides the backend's block sizes (CPU:
-``block_rows``; GPU: ``block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab,
-int_dot``; TPU: ``block_m, block_n, block_k``). Overrides must be the same for every call whose
-rows are compared: they fix the program a row runs.
+fixed row blocks; GPU: Pallas-Triton; TPU: Pallas Mosaic), chosen, interpreted and tiled by the
+keyword :class:`kernels_pallas._backend.Options`.
 
 The STE trains on master weights with the rollout's exact forward: forward = ``quantizer(w_master)``
 then the kernel, so it is bitwise the rollout's forward on frozen weights (training log-probs ==
@@ -17,13 +14,14 @@ activations and the full-precision master weight.
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import _backend, _checks
-from kernels_pallas._backend import Knob, Target
+from kernels_pallas._backend import Options, Target
 from kernels_pallas.formats import QuantizedWeight, Quantizer, dequantize, quantize
 
 
@@ -34,19 +32,24 @@ def _matmul(x: jax.Array, w: QuantizedWeight, out_dtype, target: Target) -> jax.
     return y.reshape(*lead, w.n)
 
 
+class SteOptions(Options, total=False):
+    """The straight-through estimators' keywords: the output dtype (default x's), the quantizer
+    (default :func:`kernels_pallas.quantize`; ``qarl_jax.quant`` passes AQT's, which yields the same
+    integers), and the kernel :class:`Options`."""
+
+    out_dtype: jnp.dtype | None
+    quantizer: Quantizer
+
+
+def out_dtype_of(x: jax.Array, out_dtype) -> jnp.dtype:
+    return x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+
+
 def quantized_matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    *,
-    out_dtype=None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
+    x: jax.Array, w: QuantizedWeight, *, out_dtype=None, **options: Unpack[Options]
 ) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N], every row bitwise independent of the other rows.
-    ``backend`` None picks by ``jax.default_backend()``."""
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    return _matmul(x, w, out_dtype, _backend.target(backend, interpret, tiling))
+    """x [..., K] @ w [K, N] -> [..., N], every row bitwise independent of the other rows."""
+    return _matmul(x, w, out_dtype_of(x, out_dtype), _backend.target(options))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
@@ -74,20 +77,9 @@ _ste.defvjp(_ste_fwd, _ste_bwd)
 
 
 def quantized_matmul_ste(
-    x: jax.Array,
-    w_master: jax.Array,
-    fmt: str,
-    group_size: int | None = None,
-    *,
-    out_dtype=None,
-    backend: str | None = None,
-    interpret: bool = False,
-    quantizer: Quantizer = quantize,
-    **tiling: Knob | None,
+    x: jax.Array, w_master: jax.Array, fmt: str, group_size: int | None = None, **options: Unpack[SteOptions]
 ) -> jax.Array:
     """x [..., K] @ quantizer(w_master [K, N], fmt, group_size), differentiable in x and w_master."""
-    if w_master.ndim != 2:
-        raise ValueError(f"w_master must be [K, N], got shape {w_master.shape}")
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    target = _backend.target(backend, interpret, tiling)
-    return _ste(x, w_master, fmt, group_size, out_dtype, target, quantizer)
+    _checks.master_weight(w_master, ndim=2)
+    out_dtype, quantizer = out_dtype_of(x, options.pop("out_dtype", None)), options.pop("quantizer", quantize)
+    return _ste(x, w_master, fmt, group_size, out_dtype, _backend.target(options), quantizer)

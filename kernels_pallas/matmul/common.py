@@ -35,6 +35,15 @@ def finish(acc: jax.Array, fmt: str, s_w: jax.Array | None, s_x: jax.Array | Non
     return acc
 
 
+def kernel_refs(refs, with_scales: bool, with_sx: bool) -> tuple:
+    """(x, w, weight scales or None, activation scales or None, the rest) of a matmul kernel's
+    refs, which come in that order with the optional ones left out."""
+    x_ref, w_ref, *rest = refs
+    s_ref = rest.pop(0) if with_scales else None
+    sx_ref = rest.pop(0) if with_sx else None
+    return x_ref, w_ref, s_ref, sx_ref, rest
+
+
 @dataclasses.dataclass(frozen=True)
 class Operands:
     """x (int8 for the a8 formats) [M_pad, K_pad], its per-row f32 scales [M_pad, 1] (a8 only),

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor
+from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, tiled
 from kernels_pallas._triton import MIN_TILE, compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
-from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, operands
+from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
 from kernels_pallas.matmul.tuned import TUNED
 
 GPU_SMS = 132  # H200 / H100 SXM multiprocessors: the decode grid should cover them
@@ -216,10 +216,7 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused
     """One (row block, column block, K split) program; ``fused``: no split, apply the scales here."""
     in_scales = WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused)
     in_sx = ACT_BITS[fmt] == 8 and fused
-    x_ref, w_ref, *rest = refs
-    s_ref = rest.pop(0) if in_scales else None
-    sx_ref = rest.pop(0) if in_sx else None
-    (o_ref,) = rest
+    x_ref, w_ref, s_ref, sx_ref, (o_ref,) = kernel_refs(refs, in_scales, in_sx)
     acc = accumulate(
         lambda c, n: x_ref[:, pl.ds(c, n)],
         lambda r, n: w_ref[pl.ds(r, n), :],
@@ -236,36 +233,13 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
-        "split_k", "swap_ab", "int_dot",
-    ),
-)  # fmt: skip
-def matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    *,
-    out_dtype,
-    interpret: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    split_k: int | None = None,
-    swap_ab: bool | None = None,
-    int_dot: str | None = None,
-) -> jax.Array:
+@tiled(configure)
+def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tiling: Tiling) -> jax.Array:
     """``x [M, K] @ w [K, N] -> [M, N]`` in ``w.fmt`` (operands already checked), rows bitwise
-    independent of M. Tiling defaults to :func:`gpu_blocks`; pass the same overrides for every M or
-    the invariance is lost."""
+    independent of M. Tiling: :func:`gpu_blocks` with the caller's knobs (``Blocks`` fields); pass
+    the same knobs for every M or the invariance is lost."""
+    t = tiling
     fmt = w.fmt
-    t = configure(
-        w, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-        num_stages=num_stages, split_k=split_k, swap_ab=swap_ab, int_dot=int_dot,
-    )  # fmt: skip
     bm, bn, split = t.block_m, t.block_n, t.split_k
     m = x.shape[0]
     fused = split == 1

@@ -27,9 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode
-from kernels_pallas._tiling import Blocks, round_up
+from kernels_pallas._tiling import Blocks, round_up, tiled
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
-from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, operands
+from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
 
 
 def tpu_blocks(fmt: str, k: int, n: int) -> Blocks:
@@ -81,10 +81,9 @@ def plan(w: QuantizedWeight, blocks: Blocks) -> tuple[int, int, int, int]:
     return block_n, n_pad, step, round_up(w.k, step)
 
 
-def configure(w: QuantizedWeight, **overrides) -> tuple[Blocks, tuple[int, int, int, int]]:
-    """:func:`tpu_blocks` with the caller's non-None overrides, and their :func:`plan`."""
-    blocks = tpu_blocks(w.fmt, w.k, w.n).override(**overrides)
-    return blocks, plan(w, blocks)
+def configure(w: QuantizedWeight, **knobs) -> Blocks:
+    """:func:`tpu_blocks` with the caller's non-None ``block_m``, ``block_n``, ``block_k``."""
+    return tpu_blocks(w.fmt, w.k, w.n).override(("block_m", "block_n", "block_k"), **knobs)
 
 
 def scale_operand(w: QuantizedWeight, scales: jax.Array, step: int) -> tuple[jax.Array, tuple, Callable]:
@@ -97,43 +96,45 @@ def scale_operand(w: QuantizedWeight, scales: jax.Array, step: int) -> tuple[jax
     return scales, (1,), lambda kk, j: (0, j)
 
 
-def _kernel(*refs, fmt: str, group_size: int, step_k: int, cdt):
-    has_scales = WEIGHT_BITS[fmt] is not None
-    int_act = ACT_BITS[fmt] == 8
-    x_ref, w_ref, *rest = refs
-    s_ref = rest.pop(0) if has_scales else None
-    sx_ref = rest.pop(0) if int_act else None
-    o_ref, acc_ref = rest
+def k_step(x_ref, w_ref, s_ref, sx_ref, acc_ref, store, **cfg) -> None:
+    """One step of the grid's K axis (axis 2): zero the accumulator at the first step, add this
+    step's product, and at the last step hand the finished tile (outer scales applied) to
+    ``store``. ``cfg``: ``accumulate_step``'s fmt, group_size, step_k, cdt."""
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    accumulate_step(x_ref, w_ref, s_ref, acc_ref, fmt=fmt, group_size=group_size, step_k=step_k, cdt=cdt)
+    accumulate_step(x_ref, w_ref, s_ref, acc_ref, **cfg)
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        s_w = s_ref[...] if fmt == "w8a8" else None
-        s_x = sx_ref[...] if int_act else None
-        o_ref[...] = finish(acc_ref[...], fmt, s_w, s_x).astype(o_ref.dtype)
+        s_w = s_ref[...] if cfg["fmt"] == "w8a8" else None
+        store(finish(acc_ref[...], cfg["fmt"], s_w, None if sx_ref is None else sx_ref[...]))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k"))
-def matmul(
-    x: jax.Array,
-    w: QuantizedWeight,
-    *,
-    out_dtype,
-    interpret: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-) -> jax.Array:
+def split_refs(refs, fmt: str) -> tuple:
+    """A TPU matmul kernel's refs: x, w, scales (quantized formats), activation scales (a8)..."""
+    return kernel_refs(refs, WEIGHT_BITS[fmt] is not None, ACT_BITS[fmt] == 8)
+
+
+def _kernel(*refs, **cfg):
+    x_ref, w_ref, s_ref, sx_ref, (o_ref, acc_ref) = split_refs(refs, cfg["fmt"])
+
+    def store(y):
+        o_ref[...] = y.astype(o_ref.dtype)
+
+    k_step(x_ref, w_ref, s_ref, sx_ref, acc_ref, store, **cfg)
+
+
+@tiled(configure)
+def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tiling: Blocks) -> jax.Array:
     """``x [M, K] @ w [K, N] -> [M, N]`` in ``w.fmt`` (operands already checked), rows bitwise
-    independent of M. Blocks default to :func:`tpu_blocks`."""
+    independent of M. Blocks: :func:`tpu_blocks` with the caller's knobs."""
+    blocks = tiling
     fmt = w.fmt
-    blocks, (bn, n_pad, step, k_pad) = configure(w, block_m=block_m, block_n=block_n, block_k=block_k)
+    bn, n_pad, step, k_pad = plan(w, blocks)
     bm = blocks.block_m
     m = x.shape[0]
     step_rows = step // 2 if WEIGHT_BITS[fmt] == 4 else step
@@ -151,11 +152,9 @@ def matmul(
         args.append(ops.sx)
         in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
 
-    kernel = functools.partial(
-        _kernel, fmt=fmt, group_size=w.group_size, step_k=step, cdt=compute_dtype(x.dtype, w)
-    )
+    cdt = compute_dtype(x.dtype, w)
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, fmt=fmt, group_size=w.group_size, step_k=step, cdt=cdt),
         out_shape=jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype),
         grid=(ops.m_pad // bm, n_pad // bn, k_pad // step),
         in_specs=in_specs,

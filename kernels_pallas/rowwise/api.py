@@ -20,30 +20,31 @@ XLA:CPU turns a division by a broadcast into a multiply by the reciprocal in som
 then contracts that multiply with the ``- lse`` into an FMA in some fusions only (measured: 1-ulp
 log-prob differences). Temperature 1 (a Python number) skips the scaling.
 
-``interpret=True`` runs the GPU/TPU kernels in Pallas' interpreter; ``**tiling``: the CPU path's
-``block_rows``. Gradients (custom VJPs) use the plain formulas: the backward pass need not be
-invariant.
+Keyword options: ``block_v`` (the vocabulary chunk, every backend) and the kernel
+:class:`kernels_pallas._backend.Options` (the CPU path's knob is ``block_rows``). Gradients
+(custom VJPs) use the plain formulas: the backward pass need not be invariant.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import _backend
-from kernels_pallas._backend import Knob, Target
+from kernels_pallas._backend import Options, Target
 from kernels_pallas._tiling import next_pow2
 from kernels_pallas.rowwise.reference import reference_rms_norm, reference_rope
 
 Temperature = float | jax.Array
 
 
-def default_block_v(v: int, cap: int = 2048) -> int:
-    """Vocabulary chunk: the smallest power of two >= V (at least 16), at most ``cap``: a function of
+def default_block_v(v: int) -> int:
+    """Vocabulary chunk: the smallest power of two >= V (at least 16), at most 2,048: a function of
     V only."""
-    return min(max(16, next_pow2(v)), cap)
+    return min(max(16, next_pow2(v)), 2048)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -64,19 +65,11 @@ def _rms_norm_bwd(eps, target, res, g):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rms_norm(
-    x: jax.Array,
-    weight: jax.Array,
-    eps: float,
-    *,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
-) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, **options: Unpack[Options]) -> jax.Array:
     """RMSNorm over the last axis (Qwen3 numerics), each row bitwise independent of the others."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {weight.shape}, expected ({x.shape[-1]},)")
-    return _rms_norm(x, weight, float(eps), _backend.target(backend, interpret, tiling))
+    return _rms_norm(x, weight, float(eps), _backend.target(options))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -98,20 +91,12 @@ def _rope_bwd(theta, target, positions, g):
 _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
-def rope(
-    x: jax.Array,
-    positions: jax.Array,
-    theta: float,
-    *,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
-) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float, **options: Unpack[Options]) -> jax.Array:
     """Rotary embedding of x [..., H, D] at positions [...], each token bitwise independent of the
     others (Qwen3 numerics: angles in f32, rotate_half)."""
     if x.shape[:-2] != positions.shape or x.shape[-1] % 2:
         raise ValueError(f"x {x.shape} must be [..., H, D] (D even) with positions {x.shape[:-2]}")
-    return _rope(x, positions, float(theta), _backend.target(backend, interpret, tiling))
+    return _rope(x, positions, float(theta), _backend.target(options))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -171,52 +156,41 @@ def _tempered(x: jax.Array, temperature: Temperature, target: Target) -> tuple[j
     return z, z
 
 
-def logsumexp(
-    x: jax.Array,
-    temperature: Temperature = 1.0,
-    *,
-    block_v: int | None = None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
-) -> jax.Array:
+class RowOptions(Options, total=False):
+    """The log-sum-exp family's keywords: the vocabulary chunk ``block_v`` (default
+    :func:`default_block_v`) and the kernel :class:`Options`."""
+
+    block_v: int | None
+
+
+def _lse_target(options: RowOptions) -> tuple[int | None, Target]:
+    block_v = options.pop("block_v", None)
+    return block_v, _backend.target(options)
+
+
+def logsumexp(x: jax.Array, temperature: Temperature = 1.0, **options: Unpack[RowOptions]) -> jax.Array:
     """log(sum(exp(x / temperature))) over the last axis in f32, vocabulary chunk by chunk."""
-    target = _backend.target(backend, interpret, tiling)
+    block_v, target = _lse_target(options)
     return _logsumexp(_tempered(x, temperature, target)[1], block_v, target)
 
 
-def log_softmax(
-    x: jax.Array,
-    temperature: Temperature = 1.0,
-    *,
-    block_v: int | None = None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
-) -> jax.Array:
+def log_softmax(x: jax.Array, temperature: Temperature = 1.0, **options: Unpack[RowOptions]) -> jax.Array:
     """Log-probabilities of ``x / temperature`` over the last axis (f32)."""
-    target = _backend.target(backend, interpret, tiling)
+    block_v, target = _lse_target(options)
     z, src = _tempered(x, temperature, target)
     return z - _logsumexp(src, block_v, target)[..., None]
 
 
-def softmax(x: jax.Array, temperature: Temperature = 1.0, **kw) -> jax.Array:
+def softmax(x: jax.Array, temperature: Temperature = 1.0, **options: Unpack[RowOptions]) -> jax.Array:
     """Probabilities over the last axis (f32), exp of :func:`log_softmax`."""
-    return jnp.exp(log_softmax(x, temperature, **kw))
+    return jnp.exp(log_softmax(x, temperature, **options))
 
 
 def token_logprobs(
-    x: jax.Array,
-    targets: jax.Array,
-    temperature: Temperature = 1.0,
-    *,
-    block_v: int | None = None,
-    backend: str | None = None,
-    interpret: bool = False,
-    **tiling: Knob | None,
+    x: jax.Array, targets: jax.Array, temperature: Temperature = 1.0, **options: Unpack[RowOptions]
 ) -> jax.Array:
     """log p(target): x [..., V], targets [...] -> [...] f32, bitwise ``log_softmax(x)[target]``."""
-    target = _backend.target(backend, interpret, tiling)
+    block_v, target = _lse_target(options)
     _, src = _tempered(x, temperature, target)
     picked = jnp.take_along_axis(src, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked.astype(jnp.float32) - _logsumexp(src, block_v, target)

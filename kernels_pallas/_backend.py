@@ -19,7 +19,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import jax
 
@@ -122,15 +122,15 @@ class Target:
 
 def target(options: Options) -> Target:
     """The :class:`Target` of a public call's options."""
-    options = dict(options)
-    unknown = sorted(set(options) - set(Options.__annotations__))
+    given: dict[str, Any] = dict(options)
+    unknown = sorted(set(given) - set(Options.__annotations__))
     if unknown:
         raise TypeError(f"unknown option {unknown[0]!r}; the options are {sorted(Options.__annotations__)}")
-    backend = resolve(options.pop("backend", None))
-    interpret = bool(options.pop("interpret", False))
+    backend = resolve(given.pop("backend", None))
+    interpret = bool(given.pop("interpret", False))
     if interpret and backend not in _PALLAS:
         raise ValueError(
             "interpret=True runs a Pallas kernel in its interpreter: pass backend='gpu' or 'tpu'"
         )
-    knobs = tuple(sorted((k, v) for k, v in options.items() if v is not None))
+    knobs = tuple(sorted((k, v) for k, v in given.items() if v is not None))
     return Target(backend, interpret, knobs)

@@ -61,9 +61,9 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
         OptimizerConfig(learning_rate=1e-3),
     )
     state = trainer.init_state(params)
-    truncated = np.ones(len(batch["advantages"]), np.float32)  # EOS ignored: every response hits NEW
+    truncated = np.ones(len(batch.advantages), np.float32)  # EOS ignored: every response hits NEW
     state, history = trainer.train_on_rollouts(
-        state, dict(batch, truncated=truncated)
+        state, batch.replace(truncated=truncated)
     )  # raises if old != rollout
     (m,) = history
     assert int(state.step) == 1 and float(m["skipped"]) == 0.0
@@ -85,7 +85,7 @@ def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
     2 of one sequence per device on 8) equal one whole-batch forward's bit for bit; on the mesh,
     every chunk's kernels run on each device's own rows, with no data moved between devices."""
     model, params, batch = setup
-    batch = dict(batch, truncated=(np.arange(len(batch["advantages"])) % 3 == 0).astype(np.float32))
+    batch = batch.replace(truncated=(np.arange(len(batch.advantages)) % 3 == 0).astype(np.float32))
     mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
     p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
     chunked = TrainConfig(num_minibatches=2, micro_batches=2 if mesh is None else 1)
@@ -122,9 +122,7 @@ def test_nan_batch_is_skipped_without_touching_params(setup):
     model, params, batch = setup
     trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
     state = trainer.init_state(params)
-    bad = dict(
-        batch, advantages=np.where(np.arange(len(batch["advantages"])) == 3, np.nan, batch["advantages"])
-    )
+    bad = batch.replace(advantages=np.where(np.arange(len(batch.advantages)) == 3, np.nan, batch.advantages))
     state, (m,) = trainer.train_on_rollouts(state, bad)
     assert float(m["skipped"]) == 1.0 and int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
@@ -142,11 +140,11 @@ def test_error_token_grad_share(setup):
         OptimizerConfig(learning_rate=1e-3),
     )
     old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
-    low = np.where(batch["mask"] > 0, np.log(1e-4), 0.0).astype(np.float32)
+    low = np.where(batch.mask > 0, np.log(1e-4), 0.0).astype(np.float32)
     half = np.arange(len(low))[:, None] % 2 == 0
     shares, norms = [], []
     for rollout_logp in (old, low, np.where(half, low, old)):
-        mb = trainer.shard_batch(dict(batch, rollout_logp=rollout_logp, old_logp=old))
+        mb = trainer.shard_batch(batch.replace(rollout_logp=rollout_logp, old_logp=old))
         _, m = trainer.update(trainer.init_state(params), mb)
         shares.append(float(m["error_grad_share"]))
         norms.append((float(m["loss"]), float(m["grad_norm"])))
@@ -198,7 +196,7 @@ def test_kl_to_the_initial_policy(setup):
     kl = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, opt)
     state = kl.init_state(params)
     at_init = kl.shard_batch(batch)
-    ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch["mask"]
+    ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch.mask
     np.testing.assert_array_equal(ref, kl.old_logprobs(state.params, at_init))
     moved, history = kl.train_on_rollouts(state, batch)
     assert float(history[0]["kl_ref"]) == 0.0
@@ -208,7 +206,7 @@ def test_kl_to_the_initial_policy(setup):
     jax.tree.map(np.testing.assert_array_equal, moved.ref_params, params)
 
     # the KL term alone (zero advantages): a fresh optimizer on small steps
-    zero = dict(batch, advantages=np.zeros_like(batch["advantages"]))
+    zero = batch.replace(advantages=np.zeros_like(batch.advantages))
     pull = Trainer(
         model, ObjectiveConfig(kl_coef=1.0), TrainConfig(ppo_epochs=2), OptimizerConfig(learning_rate=1e-4)
     )
@@ -218,7 +216,7 @@ def test_kl_to_the_initial_policy(setup):
     _, (before, after) = pull.train_on_rollouts(off, zero)
     assert float(before["grad_norm"]) > 0 and 0 < float(after["kl_ref"]) < float(before["kl_ref"])
     with pytest.raises(ValueError, match="no ref_logp"):
-        pull.update(off, pull.shard_batch(dict(zero, old_logp=zero["rollout_logp"])))
+        pull.update(off, pull.shard_batch(zero.replace(old_logp=zero.rollout_logp)))
 
 
 COLLECTIVE = re.compile(
@@ -238,7 +236,7 @@ def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> N
     loops = KERNEL_LOOP.findall(hlo)
     kernels = [(shape, name) for shape, name in loops if re.search(r"_cpu_|jit\(matmul\)", name)]
     assert len(kernels) > 20 and all("shard_map/" in name for _, name in kernels), kernels
-    rows = local_seqs * batch["tokens"].shape[1]
+    rows = local_seqs * batch.tokens.shape[1]
     h, blocks = config.hidden_size, lambda r, b: -(-r // b)
     norm_rows = cpu_rows.pow2_rows(h)
     lse_rows = cpu_rows.pow2_rows(rowwise.default_block_v(config.vocab_size))
@@ -277,13 +275,13 @@ def test_sharded_step_equals_single_device(setup, mesh_cfg):
     np.testing.assert_allclose(
         float(rollout_metrics["policy_entropy"]), float(m["policy_entropy"]), rtol=1e-6
     )
-    mb = trainer.shard_batch(dict(batch, old_logp=np.asarray(old)))
+    mb = trainer.shard_batch(batch.replace(old_logp=np.asarray(old)))
     with trainer._context():
         update = trainer._update.lower(trainer.init_state(p), mb).compile()
         state, m = update(trainer.init_state(p), mb)
     results.append((state.params, m))
     _assert_kernels_on_local_rows(
-        update.as_text(), model.config, len(batch["advantages"]) // _batch_ways(mesh), batch
+        update.as_text(), model.config, len(batch.advantages) // _batch_ways(mesh), batch
     )
     # the gradient must agree closely; Adam's first step is about lr * sign(grad), so the few
     # coordinates whose gradient is near zero may round either way: bound their share and size

@@ -160,7 +160,9 @@ class Config:
     rollout: RolloutConfig = RolloutConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-5)  # 3e-4 collapses the SFT policy
-    train: TrainConfig = TrainConfig()
+    # four updates per rollout batch: the policy moves within the batch, so TBPO's clip and trust band
+    # act (with one update rho == 1 exactly and they never do)
+    train: TrainConfig = TrainConfig(num_minibatches=4)
     run: RunConfig = RunConfig()
     alignment: AlignmentConfig = AlignmentConfig()
 

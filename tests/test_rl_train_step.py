@@ -14,8 +14,8 @@ from qarl_jax import quant, sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import training_batch
-from qarl_jax.rl.objectives import ObjectiveConfig
-from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
+from qarl_jax.rl.objectives import ObjectiveConfig, normalisers
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer, accumulate
 from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, rollout
 
 PROMPT, NEW = 4, 6
@@ -27,11 +27,15 @@ def _policy(fmt="w4a16", **overrides):
     return model, init_params(model, jax.random.key(0))
 
 
-def _rollouts(model, params, n_prompts=4, n=4, seed=0):
-    """Sampled rollouts from the engine with frozen weights; reward = share of response tokens < 32
-    (a quarter of the vocabulary: about 0.25 for the random policy)."""
+def _rollouts(model, params, n_prompts=4, n=4, seed=0, engine=None):
+    """Sampled rollouts from the engine with frozen weights (``engine``'s, given one, after handing
+    it these: its compiled programs are reused); reward = share of response tokens < 32 (a quarter
+    of the vocabulary: about 0.25 for the random policy)."""
     frozen = quant.quantize_params(params, model.quant)
-    engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
+    if engine is None:
+        engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
+    else:
+        engine.update_params(frozen)
     prompts = np.random.RandomState(seed).randint(0, 128, (n_prompts, PROMPT)).tolist()
     sampling = SamplingParams(temperature=1.0)
     out = rollout(engine, prompts, n=n, max_new_tokens=NEW, sampling=sampling, seed=seed, ignore_eos=True)
@@ -180,6 +184,30 @@ def test_micro_batches_accumulate_to_the_same_gradient(setup):
         np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
 
 
+def test_micro_batches_token_mean_unequal_lengths(setup):
+    """token_mean over responses of 1..6 tokens and an empty row: the gradient accumulated over 1 and
+    4 micro-batches is the same (the token count is the minibatch's, not each micro-batch's; the
+    loss-level test covers 1, 2 and 4 for every objective)."""
+    model, params, batch = setup
+    lengths = np.arange(batch.num_rows) % 7  # 0 (empty) .. 6 tokens
+    start = np.argmax(batch.mask > 0, axis=1)[:, None]
+    cols = np.arange(batch.mask.shape[1])[None]
+    mask = ((cols >= start) & (cols < start + lengths[:, None])).astype(np.float32)
+    trainer = Trainer(model, ObjectiveConfig(name="grpo"), TrainConfig(), OptimizerConfig())
+    old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
+    mb = trainer.shard_batch(batch.replace(mask=mask, old_logp=old * mask))
+    norms = normalisers(mb, trainer.objective)
+    grads = [
+        jax.jit(accumulate, static_argnums=(0, 3))(trainer._grads, params, mb, parts, norms)[2]
+        for parts in (1, 4)
+    ]
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0]))
+    for other in grads[1:]:
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale), grads[0], other
+        )
+
+
 def test_kl_to_the_initial_policy(setup):
     """kl_coef = 0: no reference copy, no reference scoring, no KL metric. kl_coef > 0: the state
     keeps the initial weights, frozen; at them the k3 term and its gradient are exactly 0 (the first
@@ -299,12 +327,15 @@ def test_tbpo_steps_raise_the_reward():
         model, ObjectiveConfig(), TrainConfig(num_minibatches=2), OptimizerConfig(learning_rate=1e-2)
     )
     state = trainer.init_state(params)
+    engine = RolloutEngine(
+        model, quant.quantize_params(params, model.quant), EngineConfig(slots=8, max_len=PROMPT + NEW)
+    )
     rewards = []
     for step in range(6):
-        batch, reward = _rollouts(model, state.params, seed=step)
+        batch, reward = _rollouts(model, state.params, seed=step, engine=engine)
         rewards.append(reward)
         state, _ = trainer.train_on_rollouts(state, batch)
-    final = np.mean([_rollouts(model, state.params, seed=100 + s)[1] for s in range(2)])
+    final = np.mean([_rollouts(model, state.params, seed=100 + s, engine=engine)[1] for s in range(2)])
     assert final > rewards[0] + 0.1, (rewards, final)
 
 

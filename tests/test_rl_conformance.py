@@ -67,6 +67,16 @@ def test_tbpo_sequence_ratio_band_and_gradient_by_hand():
     assert float(m["band_mask_frac"]) == 0.5 and float(m["clip_frac"]) == 0.0
 
 
+def test_sequence_objective_without_correction_at_either_level():
+    """correction=none leaves correction_level free: the token setting gives the sequence one's loss."""
+    old = -np.ones((3, 3))
+    logp = old + np.asarray([[0.02, 0.01, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    b = batch(old, [1.0, -1.0, 1.0])
+    losses = [loss_and_grad(logp, b, ObjectiveConfig(correction="none", correction_level=level))[0]
+              for level in ("token", "sequence")]  # fmt: skip
+    assert losses[0] == losses[1]
+
+
 @pytest.mark.parametrize(
     "kwargs, loss, frac, kept",
     [

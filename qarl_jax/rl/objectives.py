@@ -403,7 +403,8 @@ def compute_loss(
         log_ratio = jnp.clip(sequence_log_ratio(log_ratio, counted), -clamp, clamp)
         units, count = nonempty_rows(counted), norms.sequences
         surrogate, flags = spec.fn(log_ratio, adv, cfg)
-        policy_loss = -jnp.sum(jnp.where(units > 0, surrogate * correction.weight, 0.0)) / count
+        weight = correction.weight if cfg.correction_level == "sequence" else 1.0  # token: only "none"
+        policy_loss = -jnp.sum(jnp.where(units > 0, surrogate * weight, 0.0)) / count
     else:
         units, count = counted, norms.tokens
         weight = correction.weight if cfg.correction_level == "token" else correction.weight[:, None]

@@ -198,24 +198,23 @@ class Loop:
         history = jax.device_get(history)
         seconds = time.perf_counter() - start
         flat = [s for group in drawn.samples for s in group]
-        every_host = distributed.gather(
-            {
-                "rewards": drawn.scores,
-                "lengths": np.asarray([s.length for s in flat]),
-                "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
-                "seconds": np.asarray([[rollout_s, seconds]]),
-                "tokens": np.asarray([tokens]),
-                "dynamic": np.asarray([[dynamic[k] for k in sorted(dynamic)]], np.float32),
-            }
-        )
+        local = {
+            "rewards": drawn.scores,
+            "lengths": np.asarray([s.length for s in flat]),
+            "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
+            "seconds": np.asarray([[rollout_s, seconds]]),
+            "tokens": np.asarray([tokens]),
+        }
+        if dynamic:
+            local["dynamic"] = np.asarray([[dynamic[k] for k in sorted(dynamic)]], np.float32)
+        every_host = distributed.gather(local)
         rewards, lengths, truncated = (every_host[k] for k in ("rewards", "lengths", "truncated"))
         rollout_s, seconds = every_host["seconds"].max(axis=0)  # the slowest host's
         # groups dropped / missing: every host's; rounds: the most any host drew
         reduce = {"resample_rounds": np.max}
-        dynamic = {
-            k: float(reduce.get(k, np.sum)(v))
-            for k, v in zip(sorted(dynamic), every_host["dynamic"].T, strict=True)
-        }
+        if dynamic:
+            columns = zip(sorted(dynamic), every_host["dynamic"].T, strict=True)
+            dynamic = {k: float(reduce.get(k, np.sum)(v)) for k, v in columns}
         metrics = {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),

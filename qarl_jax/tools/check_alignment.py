@@ -158,7 +158,7 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
                 config.rollout.max_len,
             )
             pad = ((0, a.train_rows - len(group)), (0, 0))
-            batch = {k: np.pad(batch[k], pad) for k in BATCH_KEYS} | {
+            batch = {k: np.pad(getattr(batch, k), pad) for k in BATCH_KEYS} | {
                 "where": [(j, 0) for j in range(len(group))]
             }
         yield list(idx), batch

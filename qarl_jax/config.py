@@ -215,7 +215,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{key}: {value!r} matches none of {tp}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return _build(tp, value, key + ".")
@@ -303,7 +303,9 @@ def parse_overrides(overrides: list[str]) -> dict:
     return out
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (), cls=Config):
+def load_config(
+    path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = (), cls=Config
+):
     """Embedded defaults <- YAML file <- overrides, validated into ``cls``."""
     values = to_dict(cls())
     if path is not None:

@@ -22,6 +22,7 @@ import json
 import pathlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -64,8 +65,8 @@ class Loop:
     engine: RolloutEngine
     tokenizer: object
     grader: Grader
-    quantize: object  # jitted params -> frozen weights
-    place: object  # frozen weights -> the engine's layout (distributed.local_replica)
+    quantize: Callable[[Any], Any]  # jitted params -> frozen weights
+    place: Callable[[Any], Any]  # frozen weights -> the engine's layout (distributed.local_replica)
     evaluate: Evaluator
 
     def generate(
@@ -73,10 +74,10 @@ class Loop:
     ):
         """samples[prompt][sample] from the engine's current frozen weights; the prompts are
         numbered from ``first`` in the sample keys."""
-        prompts = [p.tolist() for p in prompts]
+        lists = [p.tolist() for p in prompts]
         max_new = self.config.rollout.max_new_tokens
-        ids = range(first, first + len(prompts))
-        return rollout(self.engine, prompts, n, max_new, sampling, seed, prompt_ids=ids, progress=False)
+        ids = range(first, first + len(lists))
+        return rollout(self.engine, lists, n, max_new, sampling, seed, prompt_ids=ids, progress=False)
 
     def score(self, samples, answers: Sequence[str]) -> np.ndarray:
         return score(self.tokenizer, self.grader, self.config.rewards.kind, samples, answers)
@@ -107,9 +108,11 @@ class Loop:
         dynamic sampling)."""
         c = self.config
         seed = step_seed(c.seed, step)
-        start, timing = time.perf_counter(), []
+        start = time.perf_counter()
+        timing: list[tuple[float, int]] = []  # (seconds generating, tokens generated) per draw
         drawn = self.draw(batch, seed, timing=timing)
-        groups, dynamic = drawn, {}
+        groups = drawn
+        dynamic: dict[str, float] = {}
         if c.rollout.dynamic_sampling:
             if more is None:
                 raise ValueError("rollout.dynamic_sampling needs more prompt batches to refill from")
@@ -241,7 +244,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
         r = config.run
         sink = {"project": r.wandb_project, "name": r.wandb_name} if r.wandb else None
         log = MetricsLog(run_dir, start, r.tensorboard, sink) if primary else None
-        summary = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
+        summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
         if start == 0:
             summary["eval_before"] = loop.evaluate(state.params)
             if log is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ADVANTAGES = ("grpo", "dr_grpo")
 STDS = ("sample", "population")
@@ -19,13 +20,13 @@ def group_std(rewards: jax.Array, std: str = "sample") -> jax.Array:
     return jnp.std(rewards, axis=1, keepdims=True, ddof=ddof)
 
 
-def informative_groups(rewards: jax.Array) -> jax.Array:
+def informative_groups(rewards: jax.Array | np.ndarray) -> jax.Array:
     """[P, G] -> [P] bool: the groups whose advantages are not all zero (rewards not all equal)."""
     return group_std(jnp.asarray(rewards, jnp.float32), "population")[:, 0] > FLAT
 
 
 def group_advantages(
-    rewards: jax.Array, mode: str = "grpo", eps: float = 1e-6, std: str = "sample"
+    rewards: jax.Array | np.ndarray, mode: str = "grpo", eps: float = 1e-6, std: str = "sample"
 ) -> jax.Array:
     """rewards [P, G] (G samples per prompt) -> advantages [P, G].
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+# host arrays from :func:`training_batch`, device arrays once the Trainer has placed the batch
+BatchArray: TypeAlias = jax.Array | np.ndarray
 
 
 @jax.tree_util.register_dataclass
@@ -28,24 +33,26 @@ class RolloutBatch:
     and what the Trainer fills in before its updates: ``old_logp`` (the training forward before
     the first update, 0 outside the mask) and ``ref_logp`` (the frozen reference, KL only)."""
 
-    tokens: jax.Array
-    positions: jax.Array
-    segment_ids: jax.Array
-    targets: jax.Array
-    mask: jax.Array
-    rollout_logp: jax.Array
-    advantages: jax.Array
-    truncated: jax.Array | None = None
-    old_logp: jax.Array | None = None
-    ref_logp: jax.Array | None = None
+    tokens: BatchArray
+    positions: BatchArray
+    segment_ids: BatchArray
+    targets: BatchArray
+    mask: BatchArray
+    rollout_logp: BatchArray
+    advantages: BatchArray
+    truncated: BatchArray | None = None
+    old_logp: BatchArray | None = None
+    ref_logp: BatchArray | None = None
 
     @property
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
     def forward_inputs(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """(tokens, positions, segment_ids, targets): the arguments of the log-prob forward."""
-        return self.tokens, self.positions, self.segment_ids, self.targets
+        """(tokens, positions, segment_ids, targets): the arguments of the log-prob forward, as jax
+        arrays (as they already are under ``jit``, where the forward runs)."""
+        t, p, s, g = (jnp.asarray(v) for v in (self.tokens, self.positions, self.segment_ids, self.targets))
+        return t, p, s, g
 
     def replace(self, **fields) -> RolloutBatch:
         return dataclasses.replace(self, **fields)

@@ -111,7 +111,7 @@ def groups_batch(
         [s.tokens for s in flat] + [[]] * pad,
         # the log-probs of the distribution sampled from: the policy at the rollout's temperature
         [s.sampling_logprobs for s in flat] + [[]] * pad,
-        list(np.asarray(advantages, np.float32).reshape(-1)) + [0.0] * pad,
+        np.asarray(advantages, np.float32).reshape(-1).tolist() + [0.0] * pad,
         length,
         truncated=[s.finish_reason == "length" for s in flat] + [False] * pad,
     )

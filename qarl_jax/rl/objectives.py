@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qarl_jax.rl.batch import RolloutBatch
+from qarl_jax.rl.batch import BatchArray, RolloutBatch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 CORRECTIONS = ("none", "tis", "mis")
@@ -204,7 +204,7 @@ class ObjectiveConfig:
 # ---- the shared pieces -----------------------------------------------------------------------------
 
 
-def safe_log_ratio(num: jax.Array, den: jax.Array, mask: jax.Array, clamp: float) -> jax.Array:
+def safe_log_ratio(num: BatchArray, den: BatchArray, mask: jax.Array, clamp: float) -> jax.Array:
     """log(num / den) of log-probs where ``mask``, 0 elsewhere, in [-clamp, clamp]: selected before
     any exp, so whatever padding holds never reaches the loss or its gradient."""
     return jnp.clip(jnp.where(mask > 0, num - den, 0.0), -clamp, clamp)
@@ -276,7 +276,7 @@ def loss_masks(batch: RolloutBatch, cfg: ObjectiveConfig) -> tuple[jax.Array, ja
     ``mis_normaliser=kept``."""
     if batch.old_logp is None:
         raise ValueError("the batch has no old_logp: the loss's ratios need the old policy's log-probs")
-    mask = batch.mask.astype(jnp.float32)
+    mask = jnp.asarray(batch.mask, jnp.float32)
     if cfg.overlong_filter:
         if batch.truncated is None:
             raise ValueError("objective.overlong_filter needs the batch's truncated flags")
@@ -395,6 +395,7 @@ def compute_loss(
     spec = cfg.spec
     norms = normalisers(batch, cfg) if norms is None else norms
     mask, counted, correction = loss_masks(batch, cfg)
+    assert batch.old_logp is not None  # loss_masks raised otherwise
     old = jax.lax.stop_gradient(batch.old_logp)
     adv = jax.lax.stop_gradient(batch.advantages.astype(jnp.float32))
     clamp = cfg.log_ratio_clamp

@@ -99,9 +99,9 @@ class TrainConfig:
     def error_flags(self, batch: RolloutBatch) -> dict[str, jax.Array]:
         """:func:`qarl_jax.rl.metrics.error_sequences` with this config's rules."""
         return rl_metrics.error_sequences(
-            batch.targets,
-            batch.mask,
-            batch.rollout_logp,
+            jnp.asarray(batch.targets),  # already jax arrays under jit, where this runs
+            jnp.asarray(batch.mask),
+            jnp.asarray(batch.rollout_logp),
             self.low_prob_threshold,
             self.repeat_max_ngram,
             self.repeat_min_repeats,
@@ -240,11 +240,10 @@ class Trainer:
 
     def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:
         """Place a host batch with its sequences split over the mesh's batch axes."""
-        if self.mesh is None:
+        mesh = self.mesh
+        if mesh is None:
             return batch.map(jnp.asarray)
-        return batch.map(
-            lambda v: jax.device_put(v, sharding.batch_sharding(self.mesh, np.ndim(v), self.rules))
-        )
+        return batch.map(lambda v: jax.device_put(v, sharding.batch_sharding(mesh, np.ndim(v), self.rules)))
 
     def _score_rows(self, n: int) -> int:
         """Sequences per scoring forward: the update's micro-batch, which must split over the mesh's

@@ -150,7 +150,7 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
             batch = pack([seqs[i] for i in idx], a.train_rows, length)
         else:
             group = [samples[i] for i in idx]
-            batch = training_batch(
+            padded = training_batch(
                 [prompts[s.prompt_index] for s in group],
                 [s.tokens for s in group],
                 [s.sampling_logprobs for s in group],
@@ -158,7 +158,7 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
                 config.rollout.max_len,
             )
             pad = ((0, a.train_rows - len(group)), (0, 0))
-            batch = {k: np.pad(getattr(batch, k), pad) for k in BATCH_KEYS} | {
+            batch = {k: np.pad(getattr(padded, k), pad) for k in BATCH_KEYS} | {
                 "where": [(j, 0) for j in range(len(group))]
             }
         yield list(idx), batch

@@ -262,7 +262,11 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head = Dense(c.vocab_size, "lm_head", ("embed", "vocab"), c, self.quant)
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        x = self.norm(x)
+        return self.head(self.norm(x))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """lm_head logits [..., V] of final-norm hidden states ``x`` [..., H]. Row-wise (the matmul
+        kernel's rows are independent), so a caller may run it over any split of the tokens."""
         if self.config.tie_word_embeddings:
             spec = self.quant
             return ops.per_device(
@@ -278,6 +282,13 @@ class Qwen3ForCausalLM(nn.Module):
     ):
         """Full-sequence forward. tokens [B, T]; positions default to 0..T-1; segment_ids [B, T]
         mark packed sequences (0 = padding): a token attends to earlier tokens of its own segment."""
+        return self.head(self.hidden(tokens, positions, segment_ids))
+
+    def hidden(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """The full-sequence forward up to the final norm: [B, T, H], what :meth:`head` maps to
+        logits (the trainer's loss applies the head in chunks of tokens)."""
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -288,7 +299,7 @@ class Qwen3ForCausalLM(nn.Module):
         x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "act_embed"))
         for layer in self.layers:
             x, _ = layer(x, positions, starts, segment_ids)
-        return self._logits(x)
+        return self.norm(x)
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
         """Incremental forward over a KV cache (prefill when T > 1, one decode step when T == 1).

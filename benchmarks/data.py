@@ -1,6 +1,6 @@
 """Throughput of the prompt pipeline (prompts/s) and of each grader (gradings/s), plus label agreement.
 
-    python benchmarks/data.py [--gsm8k-dir ../shared/data/gsm8k] [--math-samples 1000]
+    python benchmarks/data.py [--gsm8k-dir DIR] [--math-samples 1000]
 
 Pipelines: the synthetic task with the arithmetic tokenizer, and GSM8K train (JSONL) with the Qwen3
 chat template and a byte-level BPE trained here on the questions. Graders: ``synthetic`` in-process,

@@ -1,4 +1,4 @@
-"""Stages and summary of ``benchmarks/device_check.sh`` (issue #10's GPU evidence in one device call).
+"""Stages and summary of ``benchmarks/device_check.sh`` (the GPU evidence, in one device call).
 
     python benchmarks/device_check.py kernels   --out FILE [--small]
     python benchmarks/device_check.py alignment --out FILE [--small] [--budget-s S] [--cells M:F,...]
@@ -10,7 +10,7 @@ parts, bf16 / w8a8 / w4a16, dense and grouped MoE), then AQT TRAIN == SERVE: the
 (float master weights, quantized on the fly under the STE) against the rollout's (weights frozen by
 ``quantize_params``) at another batch size, bitwise. ``alignment``: ``check_alignment`` on the tiny
 dense and MoE presets (random weights): every aligned cell, then naive ones while a budget lasts.
-``summary``: one line per target of the issue (measured, target, met) from the stages' JSON files;
+``summary``: one line per GPU target (measured, target, met) from the stages' JSON files;
 it imports no JAX, so it runs whatever the stages left behind. Each stage rewrites its file after
 every part, so a stage killed at its time limit keeps what it finished.
 """
@@ -35,7 +35,7 @@ FILES = {  # stage -> result file in $OUT, in the order the stages run
     "hf": "c_hf.json",
     "train_step": "c_train_step.json",
 }
-PEAK_TBPS = 3.7  # the issue's H200 bandwidth figure for the 60 % target
+PEAK_TBPS = 3.7  # H200 HBM bandwidth (TB/s), the base of the 60 % target
 ALIGN_SIZES = {  # check_alignment overrides: a short run (compile dominates on either backend)
     "gpu": [
         "alignment.prompts=4",
@@ -355,7 +355,7 @@ def _speed_rows(out_dir: pathlib.Path, ran: dict[str, str], judged: bool) -> lis
 
 
 def _reported(out_dir: pathlib.Path) -> list[str]:
-    """What the issue asks to report without a target: naive mismatch, tokens/s per batch, shapes."""
+    """What is reported without a target: naive mismatch, tokens/s per batch, shapes."""
     lines = []
     for c in _load(out_dir, "alignment").get("cells", []):
         if c["mode"] == "naive":

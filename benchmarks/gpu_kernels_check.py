@@ -4,7 +4,7 @@ Run on the H200 (well under 3 minutes):   PYTHONUNBUFFERED=1 python benchmarks/g
 Run here first (CPU, interpret mode):     python benchmarks/gpu_kernels_check.py --small
 
 For every format (bf16, w8a8, w4a16, w4a8) and the grouped MoE kernel:
-  1. accuracy against ``formats.reference_matmul`` (float64/int64); w8a8 also bit-exact against
+  1. accuracy against ``reference_matmul`` (float64/int64); w8a8 also bit-exact against
      the int64 accumulator scaled in f32 as the kernel promises, y = (acc * s_x) * s_w;
   2. row-wise invariance: rows of M = 1/16/64/256 calls and of shuffled batches must be bitwise the
      rows of the M = 256 call (grouped: an expert's rows under different neighbouring groups);
@@ -31,9 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import formats  # noqa: E402
-from kernels_pallas.gpu import grouped_matmul as gpu_grouped  # noqa: E402
-from kernels_pallas.gpu import matmul as gpu_matmul  # noqa: E402
+from kernels_pallas import formats, grouped_matmul, quantized_matmul, reference_matmul  # noqa: E402
 
 FMTS = formats.FORMATS
 OUT = pathlib.Path(os.environ.get("OUT", "./out"))
@@ -52,7 +50,7 @@ def make_weight(key, shape, fmt: str, group: int | None) -> formats.QuantizedWei
 
 
 def dense_fn(interpret: bool, out_dtype=jnp.float32):
-    return lambda x, w: gpu_matmul.matmul(x, w, out_dtype=out_dtype, interpret=interpret)
+    return lambda x, w: quantized_matmul(x, w, out_dtype=out_dtype, backend="gpu", interpret=interpret)
 
 
 def accuracy(cfg) -> dict:
@@ -63,8 +61,11 @@ def accuracy(cfg) -> dict:
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(10 + i), (k, n), fmt, cfg["group"])
-        y = np.asarray(gpu_matmul.matmul(x, w, out_dtype=jnp.float32, interpret=cfg["interpret"]), np.float64)
-        ref = formats.reference_matmul(xf, w)
+        y = np.asarray(
+            quantized_matmul(x, w, out_dtype=jnp.float32, backend="gpu", interpret=cfg["interpret"]),
+            np.float64,
+        )
+        ref = reference_matmul(xf, w)
         xa = (
             np.abs(xf)
             if formats.ACT_BITS[fmt] is None
@@ -92,8 +93,8 @@ def accuracy(cfg) -> dict:
     for i, fmt in enumerate(cfg["formats"]):
         w = make_weight(jax.random.key(30 + i), (e, gk, gn), fmt, cfg["group"])
         y = np.asarray(
-            gpu_grouped.grouped_matmul(
-                xg, w, jnp.asarray(sizes), out_dtype=jnp.float32, interpret=cfg["interpret"]
+            grouped_matmul(
+                xg, w, jnp.asarray(sizes), out_dtype=jnp.float32, backend="gpu", interpret=cfg["interpret"]
             ),
             np.float64,
         )
@@ -101,7 +102,7 @@ def accuracy(cfg) -> dict:
         for j in range(e):
             wj = jax.tree.map(lambda a, j=j: a[j], w)
             rows = slice(starts[j], starts[j + 1])
-            ref = formats.reference_matmul(np.asarray(xg[rows].astype(jnp.float32)), wj)
+            ref = reference_matmul(np.asarray(xg[rows].astype(jnp.float32)), wj)
             scale = np.abs(ref).max() if ref.size else 1.0
             err = max(err, float(np.abs(y[rows] - ref).max() / scale) if ref.size else 0.0)
         r = {"max_rel_err": err, "tail_rows_zero": bool(np.all(y[starts[-1] :] == 0))}
@@ -140,7 +141,7 @@ def invariance(cfg) -> dict:
             tail = jax.random.normal(jax.random.key(seed + 100), (5, gk), jnp.bfloat16)
             xs = jnp.concatenate([front, rows1, tail])
             sizes = jnp.asarray([lead, 24, 5] + [0] * (e - 3), jnp.int32)
-            y = gpu_grouped.grouped_matmul(xs, w, sizes, out_dtype=jnp.float32, interpret=cfg["interpret"])
+            y = grouped_matmul(xs, w, sizes, out_dtype=jnp.float32, backend="gpu", interpret=cfg["interpret"])
             res.append(np.asarray(y)[lead : lead + 24])
         r = {"expert_rows_invariant": bool(all(np.array_equal(res[0], q) for q in res[1:]))}
         r["ok"] = r["expert_rows_invariant"]

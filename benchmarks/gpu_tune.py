@@ -9,12 +9,12 @@ For each (fmt, K, N) of K=N=4096 and K=2048,N=6144, candidates (the table's curr
 are taken round-robin across formats and shapes, so a budget cut leaves every format its most
 likely configs. Each candidate is compiled (several at once, in threads), then for M = 1, 16, 64:
   1. timed against rotating weight copies (enough that the 60 MB L2 cannot hold them), per matmul;
-  2. checked: the M=64 call's first rows against ``formats.reference_matmul`` (f32-accumulation
+  2. checked: the M=64 call's first rows against ``reference_matmul`` (f32-accumulation
      bound; w8a8 bit-exact against the int64 accumulator scaled as the kernel promises), and row
      invariance: the M=1 and M=16 calls' rows bitwise equal to the M=64 call's rows.
 Only candidates passing every check can win. Written to $OUT (default ./out) after each batch:
 gpu_tune.json (everything, with XLA bf16 per shape) and tuned.py (the winners, in the format of
-``kernels_pallas/gpu/tuned.py``: paste its TUNED entries there). Outputs are f32 for every kernel
+``kernels_pallas/matmul/tuned.py``: paste its TUNED entries there). Outputs are f32 for every kernel
 and for XLA's bf16 dot (bf16 in, f32 out). Imports only jax, numpy and kernels_pallas.
 """
 
@@ -39,8 +39,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import block_sizes, formats  # noqa: E402
-from kernels_pallas.gpu import matmul as gm  # noqa: E402
+from kernels_pallas import formats, quantized_matmul, reference_matmul  # noqa: E402
+from kernels_pallas._tiling import Blocks  # noqa: E402
+from kernels_pallas.matmul import gpu as gm  # noqa: E402
 
 OUT = pathlib.Path(os.environ.get("OUT", "./out"))
 L2_BYTES = 60 * 2**20
@@ -116,7 +117,7 @@ def shape_data(fmt: str, k: int, n: int, x: jax.Array, cfg: dict) -> ShapeData:
     copies = [base] + [make_weight(kk, k, n, fmt, cfg["group"]) for kk in keys]
     xr = x[:CHECK_ROWS]
     xf = np.asarray(xr.astype(jnp.float32), np.float64)
-    ref = formats.reference_matmul(xf, base)
+    ref = reference_matmul(xf, base)
     xa = np.abs(xf) if formats.ACT_BITS[fmt] is None else np.abs(xf) + np.abs(xf).max(-1, keepdims=True) / 127
     bound = k * 2.0**-23 * (xa @ np.abs(np.asarray(formats.dequantize(base), np.float64))) + 1e-30
     exact = None
@@ -164,7 +165,7 @@ def candidate_queue(fmts, shapes, max_per: int | None) -> list[tuple[str, int, i
     queues = []
     for k, n in shapes:
         for fmt in fmts:
-            default = dataclasses.asdict(block_sizes.gpu_blocks(fmt, k, n))
+            default = dataclasses.asdict(gm.gpu_blocks(fmt, k, n))
             cands = [default] + [{**default, **c} for c in CANDIDATES[fmt]]
             queues.append([(fmt, k, n, c) for c in cands[:max_per]])
     order = []
@@ -181,7 +182,7 @@ def resolved_key(fmt: str, k: int, n: int, cfg: dict, group: int) -> tuple:
     dtype = jnp.bfloat16 if fmt == "bf16" else jnp.int8
     scales = None if fmt == "bf16" else jax.ShapeDtypeStruct((k // g, n), jnp.float32)
     w = formats.QuantizedWeight(jax.ShapeDtypeStruct((k_rows, n), dtype), scales, fmt, g)
-    return (fmt, k, n, gm.plan(w, block_sizes.Blocks(**cfg)))
+    return (fmt, k, n, gm.plan(w, Blocks(**cfg)))
 
 
 def score(us: dict, xla: dict) -> float:
@@ -207,12 +208,11 @@ def write(res: dict) -> None:
         "",
         "TUNED: dict[tuple[str, int, int], dict[str, int | bool | str]] = {",
     ]
-    for key, b in sorted(best.items()):
+    for key, b in sorted(best.items()):  # one line an entry: what differs from the format's base
         fmt, k, n = key.split(",")
-        lines.append(f'    ("{fmt}", {k}, {n}): dict(')
-        for f, v in b["cfg"].items():
-            lines.append(f"        {f}={json.dumps(v) if isinstance(v, str) else repr(v)},")
-        lines.append("    ),")
+        base = dataclasses.asdict(gm.base_blocks(fmt))
+        diff = ", ".join(f"{f}={v!r}" for f, v in b["cfg"].items() if base.get(f) != v)
+        lines.append(f'    ("{fmt}", {k}, {n}): dict({diff}),')
     lines.append("}")
     (OUT / "tuned.py").write_text("\n".join(lines) + "\n")
 
@@ -337,7 +337,9 @@ def main() -> int:
         for fmt, k, n, c, tiling in batch:
             d = get_data(fmt, k, n)
             calls = max(len(d.copies), cfg["min_calls"])
-            one = lambda x, w, c=c: gm.matmul(x, w, out_dtype=jnp.float32, interpret=interpret, **c)
+            one = lambda x, w, c=c: quantized_matmul(
+                x, w, out_dtype=jnp.float32, backend="gpu", interpret=interpret, **c
+            )
             fn = calls_fn(one, calls)
             rec = {"fmt": fmt, "K": k, "N": n, "cfg": c, "tiling": dataclasses.asdict(tiling)}
             try:
@@ -383,7 +385,7 @@ def main() -> int:
     summary = table(res) + f"\n== total {time.perf_counter() - t_start:.1f} s"
     (OUT / "gpu_tune.txt").write_text(summary + "\n")
     print(summary, flush=True)
-    print(f"paste into kernels_pallas/gpu/tuned.py:\n{(OUT / 'tuned.py').read_text()}", flush=True)
+    print(f"paste into kernels_pallas/matmul/tuned.py:\n{(OUT / 'tuned.py').read_text()}", flush=True)
     return 0 if any(r.get("ok") for r in res["results"]) else 1
 
 

@@ -6,9 +6,9 @@
 
 Per (K, N, M): median time per matmul, achieved TB/s over the weight bytes, TFLOP/s, and the
 speed-up over XLA's bf16 ``jnp.dot`` on the same shape. Every timed call runs a run of matmuls
-over enough weight copies (at least 4) that an H200's 60 MB L2 cannot hold them. Backend: GPU ->
-``kernels_pallas.gpu`` (Triton), TPU -> ``kernels_pallas.tpu`` (Mosaic), CPU -> the public
-``kernels_pallas.quantized_matmul`` CPU path (or the GPU kernel in interpret mode if that is absent).
+over enough weight copies (at least 4) that an H200's 60 MB L2 cannot hold them. Kernel: the public
+``kernels_pallas.quantized_matmul`` on the default backend (GPU: Pallas-Triton, TPU: Pallas
+Mosaic, CPU: the plain-JAX row-block path).
 JSON goes to ``--json`` (default $OUT/kernels.json, OUT defaults to ./out), rewritten after every row.
 """
 
@@ -27,29 +27,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import formats  # noqa: E402
+from kernels_pallas import formats, quantized_matmul  # noqa: E402
 
 CACHE_BYTES = 60 * 2**20
 
 
 def kernel_for_backend():
+    """The public matmul on this machine's backend, and the kernel's name."""
     backend = jax.default_backend()
-    if backend == "gpu":
-        from kernels_pallas.gpu.matmul import matmul
-
-        return "pallas-triton", lambda x, w: matmul(x, w)
-    if backend == "tpu":
-        from kernels_pallas.tpu.matmul import matmul
-
-        return "pallas-mosaic", lambda x, w: matmul(x, w)
-    try:
-        from kernels_pallas import quantized_matmul
-
-        return "cpu", lambda x, w: quantized_matmul(x, w, backend="cpu")
-    except ImportError:
-        from kernels_pallas.gpu.matmul import matmul
-
-        return "triton-interpret", lambda x, w: matmul(x, w, interpret=True)
+    name = {"gpu": "pallas-triton", "tpu": "pallas-mosaic"}.get(backend, "cpu")
+    return name, lambda x, w: quantized_matmul(x, w, backend=backend)
 
 
 def make_weight(key, k: int, n: int, fmt: str) -> formats.QuantizedWeight:

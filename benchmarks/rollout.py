@@ -65,7 +65,7 @@ def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: 
     )
     run = lambda: rollout(
         engine, prompts.tolist(), max_new_tokens=new, sampling=GREEDY, ignore_eos=True, progress=False
-    )  # noqa: E731
+    )
     start = time.perf_counter()
     setup = start - setup
     out = run()

@@ -1,6 +1,30 @@
-"""Batch-invariant quantized matmuls (bf16, w8a8, w4a16, w4a8) for bitwise rollout == training.
+"""Batch-invariant kernels (quantized matmuls in bf16 / w8a8 / w4a16 / w4a8, MoE grouped matmul,
+attention, row-wise ops) whose every row is bitwise independent of the batch: rollout == training.
 
-See :mod:`kernels_pallas.formats` for the data contract shared by every backend.
+Layout, one package per operation, each with the same modules::
+
+    <op>/api.py        public functions, custom VJPs (STE for the matmuls); ``backend=``,
+                       ``interpret=`` and block-size overrides (``**tiling``) as keyword arguments
+    <op>/reference.py  the plain / float64 reference
+    <op>/cpu.py        plain JAX over fixed row blocks
+    <op>/gpu.py        Pallas-Triton
+    <op>/tpu.py        Pallas Mosaic
+    <op>/common.py     what the op's paths share
+
+    matmul/      dense quantized matmul (+ ``tuned.py``, the GPU's measured block table)
+    grouped/     grouped (ragged, MoE experts) quantized matmul
+    attention/   causal grouped-query attention over packed rows or a KV cache
+    rowwise/     RMSNorm, RoPE, the tempered log-sum-exp, log-softmax, token log-probs
+
+    formats.py     the int8 / int4 data contract every backend reads
+    _backend.py    resolve the backend and load its module lazily (the one place)
+    _checks.py     operand checks, one per operand kind
+    _tiling.py     block sizes, powers of two, padding
+    _rowblocks.py  the CPU path's one row-block loop
+    _triton.py / _mosaic.py  the GPU / TPU Pallas compiler settings
+
+Imports nothing but JAX (and numpy, which JAX requires); a backend's Pallas module is imported on
+its first call.
 """
 
 from kernels_pallas.formats import (
@@ -9,12 +33,10 @@ from kernels_pallas.formats import (
     dequantize,
     quantize,
     quantize_activations,
-    reference_matmul,
     resolve_group_size,
 )
-from kernels_pallas.grouped import grouped_matmul, reference_grouped_matmul
-from kernels_pallas.matmul import quantized_matmul
-from kernels_pallas.ste import grouped_matmul_ste, quantized_matmul_ste
+from kernels_pallas.grouped import grouped_matmul, grouped_matmul_ste, reference_grouped_matmul
+from kernels_pallas.matmul import quantized_matmul, quantized_matmul_ste, reference_matmul
 
 __all__ = [
     "FORMATS",

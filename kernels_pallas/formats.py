@@ -25,10 +25,10 @@ Weights are stored [K, N] (input features first), as Flax kernels are. A leading
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
 WEIGHT_BITS = {"bf16": None, "w8a8": 8, "w4a16": 4, "w4a8": 4}
@@ -114,6 +114,11 @@ def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
     return jnp.stack([low, high], axis=-3).reshape(*lead, 2 * k2, n)
 
 
+Quantizer = Callable[[jax.Array, str, int | None], QuantizedWeight]
+"""What the straight-through estimators call to produce a weight format (default :func:`quantize`;
+any function yielding the same integers and scales will do)."""
+
+
 def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedWeight:
     """Quantize a [.., K, N] weight into ``fmt``. Pure and deterministic (usable under jit)."""
     k = w.shape[-2]
@@ -153,22 +158,3 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
     return q, scale
-
-
-def reference_matmul(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
-    """float64 / int64 numpy reference of what each format computes (no block order):
-    exact for w8a8 (int64 core), the ideal value for the float formats."""
-    x = np.asarray(x, dtype=np.float64)
-    if w.scales is None:
-        return x @ np.asarray(w.values, dtype=np.float64)
-    q = np.asarray(int_values(w), dtype=np.int64)
-    scales = np.asarray(w.scales, dtype=np.float64)
-    k, n = q.shape
-    g = w.group_size
-    if ACT_BITS[w.fmt] == 8:
-        xq, xs = (np.asarray(a) for a in quantize_activations(jnp.asarray(x, jnp.float32)))
-        xq = xq.astype(np.int64)
-        parts = np.stack([xq[:, i * g : (i + 1) * g] @ q[i * g : (i + 1) * g] for i in range(k // g)])
-        return np.einsum("gmn,gn->mn", parts.astype(np.float64), scales) * xs.astype(np.float64)
-    deq = (q.reshape(k // g, g, n) * scales[:, None, :]).reshape(k, n)
-    return x @ deq

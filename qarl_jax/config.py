@@ -15,16 +15,13 @@ from typing import Any
 import yaml
 
 from qarl_jax.data import DataConfig, SyntheticConfig
+from qarl_jax.errors import ConfigError
 from qarl_jax.models.config import PRESETS, REMAT_POLICIES
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rewards import GRADERS
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig
 from qarl_jax.sharding import MeshConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value or key that cannot be used; the message names the key."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +88,7 @@ class RunConfig:
 
     steps: int = 240  # ~3 min on 2 CPU cores; reward +0.17..0.21 (first vs last 20%) in seeds 0-2
     output_dir: str = "runs/default"
+    overwrite: bool = False  # replace a run directory that has logs but no checkpoint to resume
     log_every: int = 1  # progress-bar refresh; every step is written to metrics.jsonl
     eval_every: int = 40  # 0: only before the first and after the last step
     eval_prompts: int = 64  # held-out prompts (the test split; see qarl_jax.train.eval_set), greedy
@@ -100,8 +98,13 @@ class RunConfig:
     keep: int = 2  # checkpoints kept
     progress: bool = True
     tensorboard: bool = True  # metrics also as TensorBoard scalars in <output_dir>/tb
+    wandb: bool = False  # metrics also to Weights & Biases (the optional `wandb` extra)
+    wandb_project: str = "qarl-jax"
+    wandb_name: str | None = None  # None: the run directory's name
 
     def __post_init__(self):
+        if not self.output_dir.strip():
+            raise ValueError("output_dir is empty: name the run directory")
         if self.steps < 1 or self.log_every < 1 or self.eval_prompts < 1 or self.keep < 1:
             raise ValueError("steps, log_every, eval_prompts and keep must be >= 1")
         if self.eval_every < 0 or self.checkpoint_every < 0 or self.eval_samples < 0:
@@ -150,6 +153,8 @@ class Config:
     alignment: AlignmentConfig = AlignmentConfig()
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.data.samples_per_prompt != 1:
             raise ValueError(
                 "data.samples_per_prompt must be 1: the group size is rollout.samples_per_prompt"
@@ -256,9 +261,16 @@ def parse_overrides(overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         node = out
         *parents, leaf = key.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw) if raw else ""
+            if not isinstance(node, dict):
+                section = ".".join(parents[: i + 1])
+                raise ConfigError(f"override {item!r}: {section} was given a value, not keys, earlier")
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            problem = str(e).splitlines()[0]
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from e
     return out
 
 

@@ -39,19 +39,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
-from qarl_jax.checkpoint import CheckpointError
-from qarl_jax.config import ConfigError
 from qarl_jax.data import DataConfig
+from qarl_jax.errors import CheckpointError, ConfigError, DistributedError
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
     "process_id": "JAX_PROCESS_ID",
 }
-
-
-class DistributedError(RuntimeError):
-    """An incomplete or invalid multi-process setup; the message names the flag or variable."""
 
 
 def _env_int(name: str) -> int | None:
@@ -144,10 +139,9 @@ def global_batch(batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
     axes (process-major). One process: the host batch as is (the trainer places it)."""
     if jax.process_count() == 1:
         return batch
-    axes = dict(rules)["batch"]
-    spec = lambda v: PartitionSpec(axes, *([None] * (v.ndim - 1)))  # noqa: E731
     return {
-        k: jax.make_array_from_process_local_data(NamedSharding(mesh, spec(v)), v) for k, v in batch.items()
+        k: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim, rules), v)
+        for k, v in batch.items()
     }
 
 

@@ -136,7 +136,7 @@ class Evaluator:
         out = outcomes(
             engine, *args, c.rollout.max_new_tokens, c.run.eval_samples, sampling, eval_seed(c.seed), self.ids
         )
-        pad = lambda v: np.concatenate([v, np.zeros((self.rows - len(v), *v.shape[1:]), v.dtype)])  # noqa: E731
+        pad = lambda v: np.concatenate([v, np.zeros((self.rows - len(v), *v.shape[1:]), v.dtype)])
         return {k: v[self.order] for k, v in distributed.gather({k: pad(v) for k, v in out.items()}).items()}
 
     def __call__(self, params) -> dict[str, float]:

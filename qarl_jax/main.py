@@ -1,4 +1,5 @@
-"""``python -m qarl_jax.main [--config FILE.yaml] [key=value ...] [--export-hf DIR] [multi-host flags]``
+"""``python -m qarl_jax.main [--config FILE.yaml] [key=value ...] [--export-hf DIR] [--print-config]
+[multi-host flags]``
 
 Trains a policy with quantized rollouts (see :mod:`qarl_jax.train`). With no arguments: the
 embedded default, a tiny Qwen3 policy on the synthetic arithmetic task with w4a16 rollouts, the
@@ -9,6 +10,9 @@ On N hosts, run the same command on each with ``--coordinator HOST:PORT --num-pr
 --process-id I`` (or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID), or with
 ``--distributed`` where JAX detects the cluster itself (Cloud TPU, SLURM, ...); the run directory
 must be the same (shared) path on every host. See :mod:`qarl_jax.distributed`.
+
+Every error a user can cause ends the command with one line on stderr and a non-zero exit code
+(:mod:`qarl_jax.errors`: 2 config, 3 checkpoint, 4 data, 5 run directory, 6 grader, 130 Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,18 +21,21 @@ import argparse
 import json
 import sys
 
-from qarl_jax import distributed
-from qarl_jax.checkpoint import CheckpointError
-from qarl_jax.config import ConfigError, load_config
-from qarl_jax.models import CheckpointError as ModelLoadError
-from qarl_jax.models import save_pretrained
-from qarl_jax.train import build_tokenizer, train
+EPILOG = (
+    "Config keys: `python -m qarl_jax.main --print-config` prints every key with its value (defaults, "
+    "then --config, then the overrides); any of them can be given as key=value."
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qarl_jax.main", description=__doc__.split("\n\n")[1])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m qarl_jax.main", description=__doc__.split("\n\n")[1], epilog=EPILOG
+    )
     parser.add_argument("--config", help="YAML file of overrides (see configs/)")
     parser.add_argument("--export-hf", metavar="DIR", help="write the final policy here (save_pretrained)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the full resolved config as YAML and exit"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.steps=20 quant.fmt=w8a8")
     group = parser.add_argument_group("multi-host (jax.distributed; nothing to give on one host)")
     group.add_argument(
@@ -39,25 +46,39 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument(
         "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    if not args.print_config:
+        print("qarl: starting (importing JAX and the model code)", file=sys.stderr, flush=True)
+    # imported here, after the status line: JAX, Flax and optax take seconds to import
+    from qarl_jax.errors import QarlError, one_line
+
     try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
-    except distributed.DistributedError as e:
-        print(f"distributed error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = train(config)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, ModelLoadError) as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 3
+        return _run(args)
+    except QarlError as e:
+        print(one_line(e), file=sys.stderr)
+        return e.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from qarl_jax import distributed
+    from qarl_jax.config import load_config, to_dict
+
+    config = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    from qarl_jax.build import build_tokenizer
+    from qarl_jax.models import save_pretrained
+    from qarl_jax.train import train
+
+    result = train(config)
     if args.export_hf:
         params = distributed.gather(result.state.params)  # every process: the whole weights
         if distributed.is_primary():

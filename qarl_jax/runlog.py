@@ -4,25 +4,26 @@
 step 0 holds only the eval before training, every later line one training step's metrics, plus the
 held-out evals (``eval/...``, ``eval_bf16/...``) on eval steps. Keys come and go between versions
 of the trainer, so a key a row lacks reads as NaN and a key no row has as an empty series.
-Pure numpy + json: no JAX, no pandas.
+:class:`MetricsLog` is the writer, beside its reader so the two agree on the format. Pure numpy +
+json: no JAX, no pandas (the writer imports tensorboardX, or wandb, only when a run logs there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from qarl_jax.errors import ConfigError, RunLogError
+
 EVAL_PREFIXES = ("eval/", "eval_bf16/")
-
-
-class RunLogError(ValueError):
-    """A run directory or one of its files cannot be read."""
 
 
 def is_eval_key(key: str) -> bool:
@@ -125,6 +126,87 @@ def load_runs(run_dirs: Iterable[str | pathlib.Path]) -> list[RunLog]:
             depth += 1
         named.append(dataclasses.replace(run, name="/".join(own[-depth:])))
     return named
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the run directory: one JSON object per step; on resume, lines past the
+    checkpoint are dropped (the resumed run writes them again) and a torn last line (a run killed
+    mid-write) is cut. With ``tensorboard``, every numeric metric also goes to ``tb/`` as a scalar at
+    its step (tags allow no "@": eval/pass@4 is written as eval/pass_4); a resumed run's event file
+    starts by purging the steps past the checkpoint, so TensorBoard shows each step once too. Events
+    are flushed every step, so a killed run loses none that its checkpoint covers. With ``wandb``
+    (``{"project": ..., "name": ...}``) the numbers also go to a Weights & Biases run (files under
+    ``wandb/``; ``WANDB_MODE=offline`` keeps them local), whose id is derived from the run directory
+    so a resumed run continues the same W&B run; wandb is imported only then."""
+
+    def __init__(
+        self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True, wandb: dict | None = None
+    ):
+        self.path = run_dir / "metrics.jsonl"
+        kept = kept_lines(self.path, resume_step) if resume_step and self.path.exists() else []
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.tensorboard = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard import it (and torch)
+
+            # the file name's time has 1 s resolution; the resume step in it keeps a quickly resumed
+            # run from overwriting the previous file and sorts the files in run order
+            purge = resume_step + 1 if resume_step else None
+            suffix = f".{resume_step:09d}"
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
+        self.wandb = None
+        if wandb is not None:
+            self.wandb = _wandb_run(run_dir, wandb["project"], wandb.get("name"))
+
+    def write(self, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            numbers = {
+                k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            self.wandb.log({k: v for k, v in numbers.items() if k != "step"}, step=metrics["step"])
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(run_dir: pathlib.Path, project: str, name: str | None):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("run.wandb=true needs the wandb package: pip install 'qarl-jax[wandb]'") from e
+    run_id = hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=8).hexdigest()
+    return wandb.init(
+        project=project, name=name or run_dir.resolve().name, id=run_id, resume="allow", dir=str(run_dir)
+    )
+
+
+def kept_lines(path: pathlib.Path, resume_step: int) -> list[str]:
+    """The lines of ``path`` up to step ``resume_step``. A last line that is not JSON is what a run
+    killed mid-write leaves: it is cut (and said so); a bad line before the last is damage nobody
+    should paper over, a :class:`RunLogError` naming file and line."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            if lineno == len(lines):
+                print(f"{path}:{lineno}: cutting a torn last line (a run stopped mid-write)", file=sys.stderr)
+                break
+            raise RunLogError(f"{path}:{lineno}: not a metrics line ({e}); fix or remove it to resume") from e
+        if step <= resume_step:
+            kept.append(line)
+    return kept
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:

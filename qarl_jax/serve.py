@@ -1,23 +1,31 @@
-"""``python -m qarl_jax.serve --checkpoint DIR [--quant w4a16] [--port N]``
+"""``python -m qarl_jax.serve --checkpoint DIR [--quant w4a16] [--port N] [--log-level LEVEL]``
 
 Serves a Qwen3 checkpoint through the rollout engine with JetStream's orchestrator on a gRPC
 server (JetStream's ``Orchestrator`` service, text or token-id prompts), bound to 127.0.0.1 unless
 ``--host`` says otherwise. Weights are frozen once into the quantized format, as for RL rollouts.
+
+``--checkpoint`` takes a Hugging Face directory, a training run's directory (its newest intact
+checkpoint) or one orbax step of it (``RUN/checkpoints/23``); a run's policy is exported to a
+temporary Hugging Face directory first, as ``python -m qarl_jax.main --export-hf`` would write it.
+A port already in use is refused before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
+import pathlib
+import socket
 import sys
-
-import jax
+import tempfile
 
 from kernels_pallas import FORMATS
-from qarl_jax import quant
-from qarl_jax.models import CheckpointError, from_pretrained
-from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
+from qarl_jax.errors import QarlError, ServeError, one_line
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def eos_ids(tokenizer, explicit: list[int] | None) -> tuple[int, ...]:
@@ -27,27 +35,96 @@ def eos_ids(tokenizer, explicit: list[int] | None) -> tuple[int, ...]:
     found = [tokenizer.token_to_id(t) for t in STOP_TOKENS] if tokenizer is not None else []
     found = tuple(i for i in found if i is not None)
     if not found:
-        raise ValueError(
+        raise ServeError(
             "no stop token: the checkpoint has no tokenizer with <|im_end|>/<|endoftext|>; pass --eos-id"
         )
     return found
 
 
-def build_engine(args: argparse.Namespace):
+def check_port(host: str, port: int) -> None:
+    """Refuse a port something already listens on, before minutes of loading (SO_REUSEADDR only
+    forgives closed connections in TIME_WAIT, never a live listener)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ServeError(
+                f"cannot serve on {host}:{port}: {e.strerror} (another server there?); choose another --port"
+            ) from None
+
+
+def _is_hf_dir(path: pathlib.Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
+
+
+def _run_and_step(path: pathlib.Path) -> tuple[pathlib.Path, int | None] | None:
+    """(run directory, step or None for the newest) when ``path`` is a run or one of its steps."""
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        return path.parent.parent, int(path.name)
+    if (path / "checkpoints").is_dir() and (path / "config.json").is_file():
+        return path, None
+    return None
+
+
+def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> int:
+    """Write the policy of ``run_dir``'s checkpoint ``step`` (None: the newest intact) to ``out``
+    as a Hugging Face directory; returns the step. The run's mesh is replaced by this host's devices."""
+    import dataclasses
+
+    from qarl_jax import sharding
+    from qarl_jax.build import build_policy, build_tokenizer
+    from qarl_jax.checkpoint import Checkpointer
+    from qarl_jax.config import load_config, to_dict
+    from qarl_jax.models import save_pretrained
+    from qarl_jax.rl.train_step import Trainer
+
+    config = load_config(run_dir / "config.json")  # JSON is YAML
+    here = dataclasses.replace(config, mesh=sharding.MeshConfig())
+    mesh = sharding.make_mesh(here.mesh)
+    ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
+    with sharding.activate(mesh, here.mesh.rules):
+        model, params = build_policy(here, mesh)
+        trainer = Trainer(model, here.objective, here.train, here.optimizer, mesh, here.mesh.rules)
+        restored = ckpt.restore(trainer.init_state(params), step=step)
+    ckpt.close()
+    if restored is None:
+        raise ServeError(f"{run_dir}: the run has no checkpoint yet")
+    save_pretrained(out, model.config, restored.state.params, build_tokenizer(config))
+    return restored.step
+
+
+def build_engine(args: argparse.Namespace, checkpoint: pathlib.Path):
     """(JetStreamEngine) from the command line; imports JetStream (TensorFlow: several seconds)."""
+    import jax
+
+    from qarl_jax import quant
+    from qarl_jax.models import from_pretrained
+    from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
     from qarl_jax.rollout.jetstream_engine import JetStreamEngine
 
     spec = quant.QuantSpec(args.quant) if args.quant else None
-    model, params, tokenizer = from_pretrained(args.checkpoint, dtype=args.dtype, quant=spec)
+    model, params, tokenizer = from_pretrained(checkpoint, dtype=args.dtype, quant=spec)
     frozen = jax.jit(lambda p: quant.quantize_params(p, spec))(params) if spec else params
     config = EngineConfig(slots=args.slots, max_len=args.max_len, eos_ids=eos_ids(tokenizer, args.eos_id))
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     return JetStreamEngine(RolloutEngine(model, frozen, config), tokenizer, sampling, args.seed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qarl_jax.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a local Hugging Face Qwen3 directory")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m qarl_jax.serve", description=__doc__.split("\n\n")[1])
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a Hugging Face Qwen3 directory, a run directory or RUN/checkpoints/N",
+    )
     parser.add_argument("--quant", choices=FORMATS, help="freeze weights into this format (default: none)")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
@@ -59,17 +136,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verbose", action="store_true", help="keep JetStream's per-step logs")
-    args = parser.parse_args(argv)
-    try:
-        engine = build_engine(args)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from qarl_jax.rollout.jetstream_engine import Server, quiet_orchestrator_logs
+    parser.add_argument(
+        "--log-level", default="WARNING", choices=LOG_LEVELS, help="JetStream's logging (INFO: per-step logs)"
+    )
+    return parser
 
-    if not args.verbose:
-        quiet_orchestrator_logs()
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _serve(args)
+    except (QarlError, OSError) as e:
+        print(one_line(e) if isinstance(e, QarlError) else f"serve error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    check_port(args.host, args.port)
+    path = pathlib.Path(args.checkpoint)
+    with contextlib.ExitStack() as stack:
+        if not _is_hf_dir(path):
+            run = _run_and_step(path)
+            if run is None:
+                raise ServeError(
+                    f"--checkpoint {path}: neither a Hugging Face model directory (config.json + "
+                    "safetensors) nor a training run directory; export a run with `python -m "
+                    "qarl_jax.main ... --export-hf DIR`, or pass the run directory"
+                )
+            print(f"exporting the policy of {run[0]} to serve it", file=sys.stderr, flush=True)
+            export = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qarl-serve-")))
+            step = export_run(*run, export)
+            print(f"serving {run[0]}, checkpoint {step}", file=sys.stderr, flush=True)
+            path = export
+        # the orchestrator sets the root logger to DEBUG when imported: import it, then set the level
+        from qarl_jax.rollout.jetstream_engine import Server, quiet_orchestrator_logs
+
+        quiet_orchestrator_logs(getattr(logging, args.log_level))
+        try:
+            engine = build_engine(args, path)
+        except ValueError as e:
+            raise ServeError(str(e)) from e
     server = Server(engine, port=args.port, host=args.host)
     print(f"serving on {server.address}", flush=True)
     try:

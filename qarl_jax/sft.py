@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from qarl_jax import quant
+from qarl_jax.build import eos_ids, eval_set
 from qarl_jax.config import ConfigError, ModelConfig, load_config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_dataset, make_source
 from qarl_jax.evaluation import evaluate
@@ -29,7 +30,6 @@ from qarl_jax.rewards import Grader
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rollout import EngineConfig, RolloutEngine
-from qarl_jax.train import eos_ids, eval_set
 
 
 @dataclasses.dataclass(frozen=True)

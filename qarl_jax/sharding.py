@@ -11,20 +11,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
-
-from qarl_jax.models.qwen3 import init_fn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # logical name -> mesh axis (or axes, or None = replicated)
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
@@ -49,7 +48,7 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
-    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
+    rules: Rules = DEFAULT_RULES
 
     def shape(self, num_devices: int) -> dict[str, int]:
         sizes = {a: getattr(self, a) for a in MESH_AXES}
@@ -74,6 +73,55 @@ class MeshConfig:
                 if a not in known_axes:
                     raise ValueError(f"sharding rule {logical!r} -> {axes!r} names unknown mesh axis {a!r}")
         return sizes
+
+
+def mesh_axis_names(axes: str | Sequence[str] | None) -> tuple[str, ...]:
+    """One entry of a PartitionSpec (None, an axis name or a tuple of names) as a tuple of names."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axis_ways(axes: str | Sequence[str] | None, mesh: Mesh | Mapping[str, int]) -> int:
+    """Into how many shards a PartitionSpec entry splits a dimension on ``mesh`` (a mesh, an
+    abstract mesh or a mapping of axis sizes)."""
+    shape = mesh if isinstance(mesh, Mapping) else mesh.shape
+    return math.prod(shape[a] for a in mesh_axis_names(axes))
+
+
+def batch_axes(rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes the logical "batch" axis maps to (``rules`` None: Flax's active rules)."""
+    return mesh_axis_names(nn.logical_to_mesh_axes(("batch",), rules)[0])
+
+
+def batch_ways(mesh: Mesh | Mapping[str, int], rules: Rules | None = None) -> int:
+    """How many devices split the batch rows: the product of the batch axes' sizes. Every place
+    that shards sequences (kernels per device, the trainer's batch, the engine's slots, the memory
+    plan) counts it here, so they agree on which row lands where."""
+    return axis_ways(batch_axes(rules), mesh)
+
+
+def batch_sharding(
+    mesh: Mesh, ndim: int, rules: Rules | None = None, rows: int | None = None
+) -> NamedSharding:
+    """Rows (the leading axis of an ``ndim``-dimensional array) over the batch axes, the rest
+    replicated; replicated whole when ``rows`` is given and does not split evenly."""
+    names = batch_axes(rules)
+    if rows is not None and rows % axis_ways(names, mesh):
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(names or None, *([None] * (ndim - 1))))
+
+
+def fitting_spec(
+    shape: Sequence[int],
+    logical: Sequence[str | None],
+    mesh: Mesh | Mapping[str, int],
+    rules: Rules | None = None,
+) -> PartitionSpec:
+    """The PartitionSpec of ``logical`` axis names under ``rules``, with every dimension its mesh
+    axes do not divide evenly left replicated (no padding shards)."""
+    spec = nn.logical_to_mesh_axes(tuple(logical), rules)
+    return PartitionSpec(
+        *(axes if d % axis_ways(axes, mesh) == 0 else None for d, axes in zip(shape, spec, strict=True))
+    )
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -104,6 +152,8 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 
 def init_sharded(model: nn.Module, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """Initialise parameters directly in their shards (no device ever holds the whole model)."""
+    from qarl_jax.models.qwen3 import init_fn  # the models import this module (per-device kernels)
+
     return jax.jit(init_fn(model), out_shardings=param_shardings(model, mesh, rules))(rng)
 
 

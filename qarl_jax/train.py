@@ -15,6 +15,7 @@ uninterrupted run makes. Timing figures are the only metrics that differ; they l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,108 +27,32 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from qarl_jax import distributed, quant, sharding
+from qarl_jax import distributed, quant, rundir, sharding
+from qarl_jax.build import (
+    build_engine,
+    build_policy,
+    build_tokenizer,
+    check_model_files,
+    eval_set,
+    training_data,
+)
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
-from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
+from qarl_jax.data import build_pipeline
+from qarl_jax.errors import ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
-from qarl_jax.models import CheckpointError, Qwen3ForCausalLM, from_pretrained, load_tokenizer, preset
-from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.train_step import Trainer, TrainState
-from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, rollout
-
-EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
-
-
-PACKAGE_DIR = pathlib.Path(__file__).parent
-
-
-def model_dir(path: str) -> pathlib.Path:
-    """``package:REL`` names a directory shipped in the package (the default policy); others as is."""
-    return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
-
-
-def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
-    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
-    m = config.model
-    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
-    if m.path is None:
-        depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
-        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
-        model = Qwen3ForCausalLM(cfg, config.quant)
-        return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
-    path = model_dir(m.path)
-    cfg = hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
-    model = Qwen3ForCausalLM(cfg, config.quant)
-    shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
-    _, params, _ = from_pretrained(
-        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
-    )
-    return model, params
-
-
-def build_tokenizer(config: Config):
-    """The checkpoint's tokenizer.json, or the arithmetic character tokenizer for presets."""
-    if config.model.path is None:
-        return build_arithmetic_tokenizer()
-    tokenizer = load_tokenizer(model_dir(config.model.path))
-    if tokenizer is None:
-        raise CheckpointError(f"{config.model.path}: no tokenizer.json (the loop needs one to grade)")
-    return tokenizer
-
-
-def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh) -> RolloutEngine:
-    """The rollout engine over frozen weights, with the run's slots, cache length and stop tokens."""
-    r = config.rollout
-    engine_cfg = EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=eos_ids(tokenizer))
-    return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=config.mesh.rules)
+from qarl_jax.rollout import RolloutEngine, SamplingParams, rollout
+from qarl_jax.runlog import MetricsLog
 
 
 def step_seed(seed: int, step: int) -> int:
     """A 31-bit seed for step ``step``'s random streams, independent of every other step's."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
-
-
-class MetricsLog:
-    """``metrics.jsonl`` in the run directory: one JSON object per step; on resume, lines past the
-    checkpoint are dropped (the resumed run writes them again). With ``tensorboard``, every numeric
-    metric also goes to ``tb/`` as a scalar at its step (tags allow no "@": eval/pass@4 is written as
-    eval/pass_4); a resumed run's event file starts by purging the steps past the checkpoint, so
-    TensorBoard shows each step once too. Events are flushed every step, so a killed run loses none
-    that its checkpoint covers."""
-
-    def __init__(self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True):
-        self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step and self.path.exists():
-            lines = self.path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.tensorboard = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard import it (and torch)
-
-            # the file name's time has 1 s resolution; the resume step in it keeps a quickly resumed
-            # run from overwriting the previous file and sorts the files in run order
-            purge = resume_step + 1 if resume_step else None
-            suffix = f".{resume_step:09d}"
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
-
-    def write(self, metrics: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(key, value, metrics["step"])
-            self.tensorboard.flush()
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 @dataclasses.dataclass
@@ -204,18 +129,6 @@ class Loop:
         return state, metrics
 
 
-def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
-    """The held-out prompts, in order: the test split of synthetic and TFDS sources (problems the
-    training split never holds), for a JSONL file the same file under seed ``data.seed + 1``."""
-    split = "test" if data.source in ("synthetic", "tfds") else data.split
-    held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False, split=split)
-    return next(build_pipeline(held_out, tokenizer))
-
-
-def eos_ids(tokenizer) -> tuple[int, ...]:
-    return tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
-
-
 def _postfix(metrics: dict) -> dict:
     keys = {"reward": "reward_mean", "acc": "accuracy", "mismatch": "train/mismatch_mean_abs_diff"}
     out = {k: f"{metrics[v]:.3f}" for k, v in keys.items() if v in metrics}
@@ -233,18 +146,52 @@ class Result:
 def train(config: Config) -> Result:
     """Run (or resume) the configured training, on this process and any others that joined with
     ``jax.distributed`` (:mod:`qarl_jax.distributed` describes the split; every process returns the
-    same summary, process 0 writes the logs)."""
+    same summary, process 0 writes the logs).
+
+    Everything that can be checked without the model is checked first (mesh, model files, data
+    files, the run directory, the checkpoint's config), and nothing is written to the run directory
+    before the resume decision (:mod:`qarl_jax.rundir`)."""
     primary = distributed.is_primary()
     run_dir = pathlib.Path(config.run.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if primary:
-        (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
-    mesh = sharding.make_mesh(config.mesh)
+    rundir.check_output_dir(run_dir)
+    mesh = _mesh(config)
+    check_model_files(config)
+    tokenizer = build_tokenizer(config)
+    host_data = distributed.host_data(training_data(config.data))
+    data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
+    held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
+    lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
+    with lock:
+        ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
+        latest = ckpt.check_resumable()
+        if primary:
+            rundir.decide(run_dir, latest, config.run.overwrite)
+            (run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+            begin = f"resuming from {ckpt.directory / str(latest)}" if latest else "starting at step 0"
+            rundir.say(f"{run_dir}: {begin}; building the policy and compiling (the first step is slow)")
+        try:
+            return _train(config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary)
+        except KeyboardInterrupt:
+            ckpt.close()  # the saves already started are committed
+            step = ckpt.latest_step()
+            resume = (
+                f"rerun the same command to resume from {ckpt.directory / str(step)}"
+                if step is not None
+                else "no checkpoint was written: rerun with run.overwrite=true to start again"
+            )
+            raise Interrupted(f"interrupted; {resume}") from None
+
+
+def _mesh(config: Config):
+    try:
+        return sharding.make_mesh(config.mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e} ({jax.device_count()} device(s) here)") from e
+
+
+def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
     engine_mesh = distributed.local_mesh(config.mesh, mesh)
     place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=engine_mesh)
-    host_data = distributed.host_data(config.data)
-    tokenizer = build_tokenizer(config)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
     with (
         sharding.activate(mesh, config.mesh.rules),
         Grader(config.rewards.num_workers, config.rewards.time_limit_s) as grader,
@@ -253,7 +200,6 @@ def train(config: Config) -> Result:
         trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
         state = trainer.init_state(params)
         del params
-        data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
         restored = ckpt.restore(state)
         start = 0
         if restored is not None:
@@ -261,10 +207,11 @@ def train(config: Config) -> Result:
             data.set_state(distributed.own_data_state(restored.data_state, str(ckpt.directory / str(start))))
         quantize = jax.jit(lambda p: quant.quantize_params(p, config.quant))
         engine = build_engine(config, model, place(quantize(state.params)), tokenizer, engine_mesh)
-        held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
         evaluator = Evaluator(config, engine, tokenizer, grader, held_out, state.params, place)
         loop = Loop(config, trainer, engine, tokenizer, grader, quantize, place, evaluator)
-        log = MetricsLog(run_dir, start, config.run.tensorboard) if primary else None
+        r = config.run
+        sink = {"project": r.wandb_project, "name": r.wandb_name} if r.wandb else None
+        log = MetricsLog(run_dir, start, r.tensorboard, sink) if primary else None
         summary = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
         if start == 0:
             summary["eval_before"] = loop.evaluate(state.params)
@@ -274,21 +221,24 @@ def train(config: Config) -> Result:
         show = config.run.progress and primary
         bar = tqdm(steps, initial=start, total=config.run.steps, desc="qarl", disable=not show)
         metrics: dict = {}
-        for step in bar:
-            state, metrics = loop.step(state, next(data), step)
-            done = step + 1
-            every = config.run.eval_every
-            if done == config.run.steps or (every and done % every == 0):
-                metrics.update(loop.evaluate(state.params))
+        try:
+            for step in bar:
+                state, metrics = loop.step(state, next(data), step)
+                metrics.update({f"data/skipped_{k}": n for k, n in data.skipped_by_category().items()})
+                done = step + 1
+                every = config.run.eval_every
+                if done == config.run.steps or (every and done % every == 0):
+                    metrics.update(loop.evaluate(state.params))
+                if log is not None:
+                    log.write(metrics)
+                if done % config.run.log_every == 0:
+                    bar.set_postfix(_postfix(metrics), refresh=False)
+                every = config.run.checkpoint_every
+                if done == config.run.steps or (every and done % every == 0):
+                    data_state = distributed.data_state_to_save(data.get_state())
+                    ckpt.save(done, state, data_state, config.seed)
+            ckpt.close()
+        finally:
             if log is not None:
-                log.write(metrics)
-            if done % config.run.log_every == 0:
-                bar.set_postfix(_postfix(metrics), refresh=False)
-            every = config.run.checkpoint_every
-            if done == config.run.steps or (every and done % every == 0):
-                data_state = distributed.data_state_to_save(data.get_state())
-                ckpt.save(done, state, data_state, config.seed)
-        ckpt.close()
-        if log is not None:
-            log.close()
+                log.close()
     return Result(summary | {"final": metrics}, state, model)

@@ -4,6 +4,7 @@ incompatible checkpoints."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import pytest
 
 from qarl_jax.checkpoint import Checkpointer, CheckpointError
 from qarl_jax.config import load_config
+from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rl.train_step import TrainState
+from qarl_jax.tools import verify_checkpoint
 from qarl_jax.train import train
 
 STEPS = 4
@@ -57,7 +60,7 @@ def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
 
 
-def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path):
+def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, capfd):
     ref_dir, ref = straight
     export = tmp_path / "hf"
     cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON]
@@ -73,12 +76,18 @@ def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path):
     assert proc.poll() is None, (
         f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
     )
+    # a second run on the same directory refuses, naming the first, and leaves its metrics alone
+    before = metrics.read_text()
+    assert main([f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON, f"run.steps={STEPS}"]) == 5
+    assert f"in use by another run (pid {proc.pid} on host" in capfd.readouterr().err
+    assert metrics.read_text().startswith(before)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
     assert not export.exists()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"taking over the lock of a run that is gone (pid {proc.pid} on host" in done.stderr
     assert json.loads(done.stdout)["resumed_from"] >= 1
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
     _, params, _ = from_pretrained(export)
@@ -113,17 +122,45 @@ def test_incompatible_config_is_refused_naming_the_directory(tmp_path):
         other.restore(_state(0.0))
 
 
-def test_corrupt_checkpoint_is_an_error_not_skipped(tmp_path):
+def test_corrupt_checkpoint_falls_back_and_is_an_error_when_none_is_intact(tmp_path):
     config = {"seed": 0}
     for step in (1, 2):
         ckpt = Checkpointer(tmp_path, keep=3, config=config)
         ckpt.save(step, _state(float(step)), {}, seed=0)
         ckpt.close()
-    for f in pathlib.Path(tmp_path, "2", "state").rglob("*"):
-        if f.is_file() and "manifest" in f.name:
-            f.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=rf"{tmp_path}/2: cannot restore"):
+    for step in (2, 1):
+        for f in pathlib.Path(tmp_path, str(step), "state").rglob("*"):
+            if f.is_file() and "manifest" in f.name:
+                f.write_bytes(b"garbage")
+        if step == 2:  # the previous checkpoint is intact: it is restored
+            assert Checkpointer(tmp_path, keep=3, config=config).restore(_state(0.0)).step == 1
+            shutil.move(f"{tmp_path}_damaged/2", tmp_path / "2")
+    with pytest.raises(CheckpointError, match=rf"every checkpoint is damaged \({tmp_path}/2: cannot restore"):
         Checkpointer(tmp_path, keep=3, config=config).restore(_state(0.0))
+
+
+def test_damaged_latest_run_checkpoint_resumes_from_the_previous_one_exactly(straight, tmp_path, capsys):
+    """4 KB zeroed and 24 bytes flipped in a data file of the latest checkpoint: named by
+    verify_checkpoint and at resume, and the run redoes the steps since the previous checkpoint
+    with the metrics of the uninterrupted run."""
+    ref_dir, _ = straight
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir, run)
+    f = max((p for p in (run / "checkpoints" / "4" / "state").rglob("*") if p.parent.name == "d"),
+            key=lambda p: p.stat().st_size)  # fmt: skip
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 4096] = bytes(4096)
+    for i in range(2 * len(data) // 3, 2 * len(data) // 3 + 24):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert verify_checkpoint.main([str(run)]) == 1
+    assert f"DAMAGED {run}/checkpoints/4" in capsys.readouterr().out
+    resumed = train(run_config(run, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))
+    assert resumed.summary["resumed_from"] == 2
+    err = capsys.readouterr().err
+    assert f"damaged checkpoint: {run}/checkpoints/4" in err and f"resuming from {run}/checkpoints/2" in err
+    assert metrics_without_timing(run) == metrics_without_timing(ref_dir)
+    assert verify_checkpoint.main([str(run)]) == 0
 
 
 def test_shape_mismatch_is_an_error(tmp_path):
@@ -135,3 +172,15 @@ def test_shape_mismatch_is_an_error(tmp_path):
     )
     with pytest.raises(CheckpointError, match=rf"{tmp_path}/1: cannot restore"):
         Checkpointer(tmp_path, keep=1, config={}).restore(other)
+
+
+def test_a_training_run_or_one_of_its_steps_exports_for_serving(straight, tmp_path):
+    """``serve --checkpoint RUN`` (or ``RUN/checkpoints/N``) exports the policy first: the newest
+    intact checkpoint's weights, as ``--export-hf`` writes them."""
+    from qarl_jax import serve
+
+    ref_dir, ref = straight
+    assert serve.export_run(*serve._run_and_step(ref_dir), tmp_path / "latest") == STEPS
+    _, params, tokenizer = from_pretrained(tmp_path / "latest")
+    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
+    assert tokenizer is not None and serve._run_and_step(ref_dir / "checkpoints" / "2") == (ref_dir, 2)

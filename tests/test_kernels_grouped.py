@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels_pallas as kp
-from kernels_pallas.grouped import expert_weight, group_layout
+from kernels_pallas.grouped import expert_weight
+from kernels_pallas.grouped.cpu import group_layout
 
 E, K, N = 4, 128, 40
 GROUP = {"bf16": None, "w8a8": None, "w4a16": 32, "w4a8": 32}

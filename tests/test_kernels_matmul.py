@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels_pallas as kp
-from kernels_pallas import cpu_matmul
 from kernels_pallas.formats import int_values
+from kernels_pallas.matmul import cpu as cpu_matmul
 
 K, N = 256, 48
 GROUP = {"bf16": None, "w8a8": None, "w4a16": 64, "w4a8": 64}
@@ -169,3 +169,17 @@ def test_error_shapes_and_backend():
         kp.quantized_matmul(jnp.ones((2, K)), kp.quantize(jnp.ones((2, K, N)), "w4a16"))
     with pytest.raises(ValueError, match="unknown backend 'metal'"):
         kp.quantized_matmul(jnp.ones((2, K)), w, backend="metal")
+
+
+def test_error_options():
+    """The keyword options are checked: unknown names, a knob the backend's kernel lacks, the
+    interpreter without a Pallas kernel."""
+    w, x = _weight("w8a8"), jnp.ones((2, K))
+    with pytest.raises(TypeError, match="unknown option 'bogus'"):
+        kp.quantized_matmul(x, w, bogus=1)
+    with pytest.raises(TypeError, match="no tiling knob 'block_n'"):
+        kp.quantized_matmul(x, w, backend="cpu", block_n=32)
+    with pytest.raises(ValueError, match="interpret=True"):
+        kp.quantized_matmul(x, w, backend="cpu", interpret=True)
+    with pytest.raises(TypeError, match="no tiling knob 'num_warps'"):
+        kp.quantized_matmul(x, w, backend="tpu", interpret=True, num_warps=4)

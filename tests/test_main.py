@@ -2,9 +2,13 @@
 checkpoint from another config (exit 3), naming the key or the directory."""
 
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +31,19 @@ def compilation_cache(tmp_path_factory):
 
 
 def test_main_trains_and_exports(tmp_path, capsys):
+    # an earlier run's logs without a checkpoint are not replaced unless asked
+    (tmp_path / "run" / "tb").mkdir(parents=True)
+    (tmp_path / "run" / "tb" / "events.out.tfevents.old").write_text("old")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    again = ["--config", SMOKE, f"run.output_dir={tmp_path / 'run'}", "run.steps=1"]
+    assert main(again) == 5
+    err = capsys.readouterr().err
+    assert "holds an earlier run (metrics.jsonl, tb) but no checkpoint" in err and "run.overwrite=true" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
+    assert not (tmp_path / "run" / "config.json").exists()
     export = tmp_path / "hf"
     argv = [
+        "run.overwrite=true",
         "--config",
         SMOKE,
         f"run.output_dir={tmp_path / 'run'}",
@@ -41,6 +56,7 @@ def test_main_trains_and_exports(tmp_path, capsys):
     assert summary["resumed_from"] == 0 and summary["final"]["step"] == 1
     assert 0.0 <= summary["final"]["eval/accuracy"] <= 1.0
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+    assert not (tmp_path / "run" / "tb" / "events.out.tfevents.old").exists()
     model, params, tokenizer = from_pretrained(export)
     assert tokenizer.get_vocab_size() == model.config.vocab_size == 128
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
@@ -66,8 +82,27 @@ def test_main_refuses_a_foreign_checkpoint(tmp_path, capsys):
     ckpt.save(1, TrainState(params={"w": w}, opt_state={}, step=jnp.asarray(1)), {}, seed=123)
     ckpt.close()
     assert main(["--config", SMOKE, f"run.output_dir={tmp_path}"]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "run.lock"]  # no config.json
     err = capsys.readouterr().err
     assert (
         f"{tmp_path}/checkpoints/1 was written by a different config" in err
         and "seed: checkpoint 123, now 0 (use" in err
     )
+
+
+def test_ctrl_c_stops_cleanly_naming_the_checkpoint_to_resume(tmp_path, capsys):
+    """SIGINT (what Ctrl-C sends) once the first checkpoint exists: exit 130, one line naming it."""
+
+    def interrupt():
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "checkpoints" / "1").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    argv = ["--config", SMOKE, f"run.output_dir={tmp_path}", "run.steps=50", "run.checkpoint_every=1"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("qarl: interrupted; rerun the same command to resume from ")
+    assert (tmp_path / "checkpoints" / err.rsplit("/", 1)[1]).is_dir()
+    assert (tmp_path / "run.lock").read_text() == ""

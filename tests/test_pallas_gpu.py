@@ -1,5 +1,5 @@
 """GPU (Pallas-Triton) kernels, checked without a GPU: Triton lowering for CUDA, and the same kernels
-in Pallas interpret mode against formats.reference_matmul and for row-wise batch invariance."""
+in Pallas interpret mode against reference_matmul and for row-wise batch invariance."""
 
 from __future__ import annotations
 
@@ -7,28 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_cases import MatmulCases
 
-from kernels_pallas import block_sizes, formats
-from kernels_pallas.gpu import grouped_matmul as gg
-from kernels_pallas.gpu import matmul as gm
+from kernels_pallas import formats
+from kernels_pallas.grouped.common import group_tiles
+from kernels_pallas.matmul import gpu as gm
+from kernels_pallas.matmul import tuned
+from kernels_pallas.matmul.reference import reference_matmul
 
 K, N = 128, 64
 BLK = dict(block_n=32, block_k=64)  # two N blocks, two K steps (w4a16 at group 32: 4 groups)
-GROUP = 32
-
-
-def weight(fmt: str, shape=(K, N), seed: int = 1, dtype=jnp.float32) -> formats.QuantizedWeight:
-    w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.1
-    group = GROUP if formats.WEIGHT_BITS[fmt] == 4 else None
-    return formats.quantize(w.astype(dtype) if fmt == "bf16" else w, fmt, group)
-
-
-def acts(m: int, seed: int = 0, dtype=jnp.float32, k: int = K) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), (m, k), dtype)
-
-
-def run(x, w, **kw):
-    return np.asarray(gm.matmul(x, w, out_dtype=jnp.float32, interpret=True, **{**BLK, **kw}))
+CASES = MatmulCases("gpu", K, N, group=32, blocks=BLK)
+weight, acts, run = CASES.weight, CASES.acts, CASES.run
 
 
 def float_bound(x, w) -> np.ndarray:
@@ -40,25 +30,21 @@ def float_bound(x, w) -> np.ndarray:
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_lowers_for_cuda_through_triton(fmt):
     x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
-    text = (
-        jax.jit(lambda x, w: gm.matmul(x, w, **BLK)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    )
-    assert "__gpu$xla.gpu.triton" in text  # Triton, not Mosaic GPU
+    assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False), x, w)  # Triton, not Mosaic GPU
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_grouped_lowers_for_cuda_through_triton(fmt):
     x, w = acts(24, dtype=jnp.bfloat16), weight(fmt, shape=(3, K, N), dtype=jnp.bfloat16)
     sizes = jnp.array([5, 0, 19], jnp.int32)
-    f = jax.jit(lambda x, w, s: gg.grouped_matmul(x, w, s, **BLK))
-    assert "__gpu$xla.gpu.triton" in f.trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert CASES.lowers(lambda x, w, s: CASES.grouped(x, w, s, interpret=False), x, w, sizes)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "w4a16", "w4a8"])
 def test_float_formats_match_reference(fmt):
     x, w = acts(5), weight(fmt)
     y = run(x, w)
-    ref = formats.reference_matmul(np.asarray(x), w)
+    ref = reference_matmul(np.asarray(x), w)
     assert np.all(np.abs(y - ref) <= float_bound(x, w) + 1e-30)
 
 
@@ -69,23 +55,19 @@ def test_w8a8_is_exact_int32_accumulation():
     acc = xq.astype(np.int64) @ np.asarray(w.values, np.int64)
     want = (acc.astype(np.float32) * sx) * np.asarray(w.scales)
     np.testing.assert_array_equal(y, want)
-    np.testing.assert_allclose(y, formats.reference_matmul(np.asarray(x), w), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, reference_matmul(np.asarray(x), w), rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_activations_and_output_dtype():
-    x, w = acts(3, dtype=jnp.bfloat16), weight("w4a16")
-    y = gm.matmul(x, w, interpret=True, **BLK)
-    assert y.dtype == jnp.bfloat16 and y.shape == (3, N)
-    ref = formats.reference_matmul(np.asarray(x.astype(jnp.float32)), w)
-    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
+    CASES.assert_bf16_in_bf16_out()
 
 
 def test_padding_of_n_and_k():
     """N and K that no power-of-two block divides are padded, not mis-tiled."""
     x = acts(3, k=72)
     w = formats.quantize(jax.random.normal(jax.random.key(2), (72, 40)), "w8a8")
-    y = np.asarray(gm.matmul(x, w, out_dtype=jnp.float32, interpret=True, block_n=32, block_k=32))
-    np.testing.assert_allclose(y, formats.reference_matmul(np.asarray(x), w), rtol=1e-5, atol=1e-5)
+    y = run(x, w, block_n=32, block_k=32)
+    np.testing.assert_allclose(y, reference_matmul(np.asarray(x), w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -113,15 +95,12 @@ def grouped_reference(x, w, sizes):
     ref = np.zeros((x.shape[0], w.n))
     for e in range(len(sizes)):
         rows = slice(starts[e], starts[e + 1])
-        ref[rows] = formats.reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
+        ref[rows] = reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
     return ref
 
 
 def run_grouped(x, w, sizes, **kw):
-    y = gg.grouped_matmul(
-        x, w, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, interpret=True, **BLK, **kw
-    )
-    return np.asarray(y)
+    return np.asarray(CASES.grouped(x, w, sizes, out_dtype=jnp.float32, **kw))
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -142,7 +121,7 @@ def test_grouped_matches_reference_and_is_invariant(fmt):
 @pytest.mark.parametrize("sizes", [[0, 0, 0], [16, 0, 0], [1, 1, 30], [3, 13, 16]])
 def test_group_tiles_cover_each_row_once(sizes):
     m, bm = 40, 16
-    e, rb, lo, hi = (np.asarray(a) for a in block_sizes.group_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
+    e, rb, lo, hi = (np.asarray(a) for a in group_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
     assert len(e) == 3 + 3 - 1 and np.all(np.diff(rb) >= 0)
     owner = np.full(m, -1)
     for t in range(len(e)):
@@ -157,21 +136,21 @@ def test_group_tiles_cover_each_row_once(sizes):
 def test_errors_are_clear():
     w = weight("w4a16")
     with pytest.raises(ValueError, match="K=128"):
-        gm.matmul(acts(2, k=64), w, interpret=True)
+        CASES.matmul(acts(2, k=64), w)
     with pytest.raises(TypeError, match="floating"):
-        gm.matmul(jnp.ones((2, K), jnp.int32), w, interpret=True)
+        CASES.matmul(jnp.ones((2, K), jnp.int32), w)
     with pytest.raises(ValueError, match="power-of-two"):
-        gm.matmul(acts(2), w, interpret=True, block_n=48)
+        CASES.matmul(acts(2), w, block_n=48)
     with pytest.raises(TypeError, match="QuantizedWeight"):
-        gm.matmul(acts(2), jnp.ones((K, N)), interpret=True)
+        CASES.matmul(acts(2), jnp.ones((K, N)))
     odd = formats.quantize(jax.random.normal(jax.random.key(0), (96, N)), "w4a16", 48)
     with pytest.raises(ValueError, match="group size"):
-        gm.matmul(acts(2, k=96), odd, interpret=True)
+        CASES.matmul(acts(2, k=96), odd)
     with pytest.raises(ValueError, match=r"\[E, K, N\]"):
-        gg.grouped_matmul(acts(2), w, jnp.array([2]), interpret=True)
+        CASES.grouped(acts(2), w, [2])
     w3 = weight("w8a8", shape=(2, K, N))
     with pytest.raises(ValueError, match="group_sizes"):
-        gg.grouped_matmul(acts(2), w3, jnp.array([2, 0, 0]), interpret=True)
+        CASES.grouped(acts(2), w3, [2, 0, 0])
 
 
 KNOBS = [
@@ -187,7 +166,7 @@ def test_decode_knobs_match_reference_and_keep_rows_invariant(fmt, knobs):
     w = weight(fmt)
     x = acts(40, seed=3)
     full = run(x, w, **knobs)
-    ref = formats.reference_matmul(np.asarray(x[:5]), w)
+    ref = reference_matmul(np.asarray(x[:5]), w)
     if fmt == "w8a8":
         np.testing.assert_array_equal(full, run(x, w))  # int32 accumulation: tiling cannot matter
     else:
@@ -205,7 +184,7 @@ def test_int4_group_longer_than_a_step():
     w = formats.quantize(wf, "w4a16", 128)  # one group over all of K, block_k 32: 4 chunks
     x = acts(20, seed=2)
     full = run(x, w, block_k=32, split_k=1)
-    ref = formats.reference_matmul(np.asarray(x), w)
+    ref = reference_matmul(np.asarray(x), w)
     assert np.all(np.abs(full - ref) <= float_bound(x, w) + 1e-30)
     np.testing.assert_array_equal(run(x[:1], w, block_k=32, split_k=1), full[:1])
 
@@ -213,17 +192,14 @@ def test_int4_group_longer_than_a_step():
 @pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
 def test_decode_knobs_lower_for_cuda(fmt):
     x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
-    f = jax.jit(lambda x, w: gm.matmul(x, w, **BLK, **KNOBS[1]))
-    assert "__gpu$xla.gpu.triton" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False, **KNOBS[1]), x, w)
 
 
 def test_gpu_blocks_fill_the_sms_and_read_the_tuned_table(monkeypatch):
-    from kernels_pallas.gpu import tuned
-
     for fmt in formats.FORMATS:
-        b = block_sizes.gpu_blocks(fmt, 4096, 4096)
+        b = gm.gpu_blocks(fmt, 4096, 4096)
         assert (4096 // b.block_n) * b.split_k >= 128 and b.block_m == 16
     monkeypatch.setitem(tuned.TUNED, ("w4a16", 4096, 4096), dict(block_n=32, split_k=2, swap_ab=True))
-    b = block_sizes.gpu_blocks("w4a16", 4096, 4096)
+    b = gm.gpu_blocks("w4a16", 4096, 4096)
     assert (b.block_n, b.split_k, b.swap_ab, b.block_k) == (32, 2, True, 256)
-    assert block_sizes.gpu_blocks("w4a16", 4096, 8192).block_n == 128  # other shapes untouched
+    assert gm.gpu_blocks("w4a16", 4096, 8192).block_n == 128  # other shapes untouched

@@ -10,17 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_cases import PLATFORM, lowered_text
 
 from kernels_pallas import attention as attn
 from kernels_pallas import rowwise
-from kernels_pallas.gpu import attention as g_attn
-from kernels_pallas.gpu import rowwise as g_rows
-from kernels_pallas.tpu import attention as t_attn
-from kernels_pallas.tpu import rowwise as t_rows
 
-ROWS = {"gpu": g_rows, "tpu": t_rows}
-ATTN = {"gpu": g_attn, "tpu": t_attn}
-PLATFORM = {"gpu": ("cuda", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
 BACKENDS = ["gpu", "tpu"]
 EPS, THETA, TEMP, BLOCK_V, BLOCK_KV = 1e-6, 10000.0, 0.7, 128, 16
 
@@ -56,39 +50,32 @@ def lse_f64(x):
 
 # ---- the calls, one per kernel -------------------------------------------------------------------
 
-ROW_CASES = {
+ROW_CASES = {  # (the call on a backend, in the interpreter or compiled for it; its inputs)
     "rms_norm": (
-        lambda m, x, w: m.rms_norm(x, w, eps=EPS, interpret=True),
+        lambda b, x, w, interpret=True: rowwise.rms_norm(x, w, EPS, backend=b, interpret=interpret),
         lambda: (rand((20, 96), 0), rand((96,), 1)),
     ),
     "rope": (
-        lambda m, x, p: m.rope(x, p, theta=THETA, interpret=True),
+        lambda b, x, p, interpret=True: rowwise.rope(x, p, THETA, backend=b, interpret=interpret),
         lambda: (rand((20, 2, 16), 2), jnp.arange(20, dtype=jnp.int32) * 37),
     ),
     "logsumexp": (
-        lambda m, x: m.logsumexp(x, temperature=TEMP, block_v=BLOCK_V, interpret=True),
+        lambda b, x, interpret=True, block_v=BLOCK_V: rowwise.logsumexp(
+            x, TEMP, block_v=block_v, backend=b, interpret=interpret
+        ),
         lambda: (rand((20, 300), 3, scale=4.0),),
     ),
 }
 F64 = {"rms_norm": rms_f64, "rope": rope_f64, "logsumexp": lse_f64}
 
 
-def lowered_text(backend: str, fn, args) -> str:
-    platform, _ = PLATFORM[backend]
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(ROW_CASES))
 def test_rowwise_lowers_for_platform(backend, name):
-    _, make = ROW_CASES[name]
-    kw = {
-        "rms_norm": dict(eps=EPS),
-        "rope": dict(theta=THETA),
-        "logsumexp": dict(temperature=TEMP, block_v=64),
-    }[name]
+    call, make = ROW_CASES[name]
+    kw = {"logsumexp": dict(block_v=64)}.get(name, {})
     args = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in make())
-    text = lowered_text(backend, lambda *a: getattr(ROWS[backend], name)(*a, **kw), args)
+    text = lowered_text(backend, lambda *a: call(backend, *a, interpret=False, **kw), *args)
     assert PLATFORM[backend][1] in text
 
 
@@ -105,7 +92,7 @@ def test_public_api_dispatches_to_the_backend_kernels(backend):
         a = attn.attention(y[None], y[None], y[None], pos[None], backend=backend)
         return rowwise.token_logprobs(a.reshape(3, 32), pos, TEMP, backend=backend)
 
-    text = lowered_text(backend, f, (x, w, pos))
+    text = lowered_text(backend, f, x, w, pos)
     suffix = "_tpu" if backend == "tpu" else ""
     for kernel in ("rms_norm", "rope", "attention", "logsumexp"):
         assert f"qarl_{kernel}{suffix}" in text
@@ -115,19 +102,18 @@ def test_public_api_dispatches_to_the_backend_kernels(backend):
 @pytest.mark.parametrize("name", list(ROW_CASES))
 def test_rowwise_matches_f64_and_rows_are_invariant(backend, name):
     run, make = ROW_CASES[name]
-    mod = ROWS[backend]
     args = make()
-    full = np.asarray(run(mod, *args))
+    full = np.asarray(run(backend, *args))
     np.testing.assert_allclose(full, F64[name](*args), rtol=2e-6, atol=2e-6)
     # one row alone (decode-sized call): the same bits
-    one = np.asarray(run(mod, *(a[5:6] if i == 0 or name == "rope" else a for i, a in enumerate(args))))
+    one = np.asarray(run(backend, *(a[5:6] if i == 0 or name == "rope" else a for i, a in enumerate(args))))
     np.testing.assert_array_equal(one, full[5:6])
     # the same row among other neighbours, at another index (another row block)
     other = list(make())
     other[0] = rand(args[0].shape, 9, scale=4.0 if name == "logsumexp" else 1.0).at[17].set(args[0][5])
     if name == "rope":
         other[1] = (other[1] * 3).at[17].set(args[1][5])
-    np.testing.assert_array_equal(np.asarray(run(mod, *other))[17], full[5])
+    np.testing.assert_array_equal(np.asarray(run(backend, *other))[17], full[5])
 
 
 # ---- attention -----------------------------------------------------------------------------------
@@ -145,18 +131,16 @@ def packed_inputs():
 
 
 def run_attn(backend, *args, block_kv=BLOCK_KV):
-    return np.asarray(ATTN[backend].attention(*args, block_kv=block_kv, interpret=True))
+    return np.asarray(attn.attention(*args, block_kv=block_kv, backend=backend, interpret=True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_lowers_for_platform(backend):
     q, k, v, pos, st, seg = packed_inputs()
     q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    fn = lambda *a: ATTN[backend].attention(*a, block_kv=BLOCK_KV)  # noqa: E731
-    assert PLATFORM[backend][1] in lowered_text(backend, fn, (q, k, v, pos, st, seg, seg))
-    assert PLATFORM[backend][1] in lowered_text(
-        backend, fn, (q[:, :1], k, v, pos[:, :1])
-    )  # decode, no starts
+    fn = lambda *a: attn.attention(*a, block_kv=BLOCK_KV, backend=backend)
+    assert PLATFORM[backend][1] in lowered_text(backend, fn, q, k, v, pos, st, seg, seg)
+    assert PLATFORM[backend][1] in lowered_text(backend, fn, q[:, :1], k, v, pos[:, :1])  # decode, no starts
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,7 +153,7 @@ def test_attention_matches_f64_and_decode_equals_full_sequence(backend):
     # decode over a cache: segment 1 in row 0 of a 40-slot cache (unwritten slots masked by -1),
     # an unrelated sequence in row 1; one query per row, at positions 20 and 3.
     s, (a, n) = 40, (LENS[0], LENS[1])
-    cache = lambda x, other: jnp.zeros((2, s, KV, D)).at[0, :n].set(x[0, a:]).at[1, :n].set(other)  # noqa: E731
+    cache = lambda x, other: jnp.zeros((2, s, KV, D)).at[0, :n].set(x[0, a:]).at[1, :n].set(other)
     kc, vc = cache(k, rand((n, KV, D), 13)), cache(v, rand((n, KV, D), 14))
     kseg = jnp.asarray(np.where(np.arange(s) < n, 0, -1)[None].repeat(2, 0), jnp.int32)
     p = jnp.array([[20], [3]], jnp.int32)

@@ -1,5 +1,5 @@
 """TPU (Pallas Mosaic) kernels, checked without a TPU: lowering for the TPU platform, and the same
-kernels in Pallas' TPU interpret mode against formats.reference_matmul and for row-wise batch
+kernels in Pallas' TPU interpret mode against reference_matmul and for row-wise batch
 invariance. Sizes are tiny because the TPU interpreter is slow."""
 
 from __future__ import annotations
@@ -8,45 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_cases import MatmulCases
 
+import kernels_pallas as kp
 from kernels_pallas import formats
-from kernels_pallas.tpu import grouped_matmul as tg
-from kernels_pallas.tpu import matmul as tm
+from kernels_pallas.matmul.reference import reference_matmul
 
 K, N = 256, 256
 BLK = dict(block_n=128, block_k=128)  # two N blocks, two K steps (int4 group 64: two groups a step)
-GROUP = 64
-
-
-def weight(fmt: str, shape=(K, N), seed: int = 1, dtype=jnp.float32) -> formats.QuantizedWeight:
-    w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.1
-    group = GROUP if formats.WEIGHT_BITS[fmt] == 4 else None
-    return formats.quantize(w.astype(dtype) if fmt == "bf16" else w, fmt, group)
-
-
-def acts(m: int, seed: int = 0, dtype=jnp.float32, k: int = K) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), (m, k), dtype)
-
-
-def run(x, w, **kw):
-    return np.asarray(tm.matmul(x, w, out_dtype=jnp.float32, interpret=True, **{**BLK, **kw}))
+CASES = MatmulCases("tpu", K, N, group=64, blocks=BLK)
+weight, acts, run = CASES.weight, CASES.acts, CASES.run
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_lowers_for_tpu(fmt):
     x, w = acts(8, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
-    text = (
-        jax.jit(lambda x, w: tm.matmul(x, w, **BLK)).trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
-    )
-    assert "tpu_custom_call" in text
+    assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False), x, w)
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_grouped_lowers_for_tpu(fmt):
     x, w = acts(40, dtype=jnp.bfloat16), weight(fmt, shape=(3, K, N), dtype=jnp.bfloat16)
-    f = jax.jit(lambda x, w, s: tg.grouped_matmul(x, w, s, **BLK))
-    text = f.trace(x, w, jnp.array([5, 0, 30], jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" in text
+    sizes = jnp.array([5, 0, 30], jnp.int32)
+    assert CASES.lowers(lambda x, w, s: CASES.grouped(x, w, s, interpret=False), x, w, sizes)
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -54,7 +38,7 @@ def test_matches_reference_and_rows_are_invariant(fmt):
     w = weight(fmt)
     x = acts(64, seed=3)
     full = run(x, w)
-    ref = formats.reference_matmul(np.asarray(x), w)
+    ref = reference_matmul(np.asarray(x), w)
     if fmt == "w8a8":  # exact int32 accumulation, then (acc * s_x) * s_w in f32
         xq, sx = (np.asarray(a) for a in formats.quantize_activations(x))
         acc = xq.astype(np.int64) @ np.asarray(w.values, np.int64)
@@ -79,11 +63,7 @@ def test_invariance_check_can_fail():
 
 
 def test_bf16_inputs_default_out_dtype():
-    x, w = acts(3, dtype=jnp.bfloat16), weight("w4a16")
-    y = tm.matmul(x, w, interpret=True, **BLK)
-    assert y.dtype == jnp.bfloat16 and y.shape == (3, N)
-    ref = formats.reference_matmul(np.asarray(x.astype(jnp.float32)), w)
-    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
+    CASES.assert_bf16_in_bf16_out()
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -91,29 +71,27 @@ def test_grouped_matches_reference_and_is_invariant(fmt):
     w = weight(fmt, shape=(3, K, N), seed=7)
     sizes = np.array([10, 0, 40])
     x = acts(70, seed=8)  # 20 rows past the groups come out zero
-    y = np.asarray(tg.grouped_matmul(x, w, jnp.asarray(sizes), out_dtype=jnp.float32, interpret=True, **BLK))
+    y = np.asarray(CASES.grouped(x, w, sizes, out_dtype=jnp.float32))
     for e, rows in ((0, slice(0, 10)), (2, slice(10, 50))):
-        ref = formats.reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
+        ref = reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
         np.testing.assert_allclose(y[rows], ref, rtol=1e-5, atol=1e-5)
     assert np.all(y[50:] == 0)
     # expert 2's rows behind 35 rows of expert 0 instead of 10: same bits
     x2 = jnp.concatenate([acts(35, seed=9), x[10:50]])
-    y2 = tg.grouped_matmul(
-        x2, w, jnp.array([35, 0, 40], jnp.int32), out_dtype=jnp.float32, interpret=True, **BLK
-    )
+    y2 = CASES.grouped(x2, w, [35, 0, 40], out_dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(y2)[35:75], y[10:50])
 
 
 def test_errors_are_clear():
     w = weight("w8a8")
     with pytest.raises(ValueError, match="K=256"):
-        tm.matmul(acts(2, k=128), w, interpret=True)
+        CASES.matmul(acts(2, k=128), w)
     with pytest.raises(ValueError, match="Mosaic tiles"):
-        tm.matmul(acts(2), w, interpret=True, block_n=96)
+        CASES.matmul(acts(2), w, block_n=96)
     g32 = formats.quantize(jax.random.normal(jax.random.key(0), (K, N)), "w4a16", 32)
     with pytest.raises(ValueError, match="group size"):
-        tm.matmul(acts(2), g32, interpret=True)
+        CASES.matmul(acts(2), g32)
     with pytest.raises(ValueError, match="group_sizes"):
-        tg.grouped_matmul(acts(2), weight("bf16", shape=(2, K, N)), jnp.array([1]), interpret=True)
-    with pytest.raises(TypeError, match="integer"):
-        tg.grouped_matmul(acts(2), weight("bf16", shape=(2, K, N)), jnp.array([1.0, 1.0]), interpret=True)
+        CASES.grouped(acts(2), weight("bf16", shape=(2, K, N)), jnp.array([1]))
+    with pytest.raises(ValueError, match="integer"):  # the public check: one error for shape and dtype
+        kp.grouped_matmul(acts(2), weight("bf16", shape=(2, K, N)), jnp.array([1.0, 1.0]), backend="tpu")

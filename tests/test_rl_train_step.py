@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from kernels_pallas import cpu_matmul, cpu_rows, rowwise
+from kernels_pallas import rowwise
+from kernels_pallas._tiling import rows_per_block
+from kernels_pallas.matmul.cpu import default_block_rows
 from qarl_jax import quant, sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.rl.advantages import group_advantages
@@ -236,20 +238,21 @@ def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> N
     the loop carries of the RMSNorms, the log-softmax and the projections are blocks of the *local*
     rows (sequences per device x length), per the kernels' own block rules."""
     loops = KERNEL_LOOP.findall(hlo)
-    kernels = [(shape, name) for shape, name in loops if re.search(r"_cpu_|jit\(matmul\)", name)]
+    kernel_jit = r"jit\((matmul|grouped_matmul|rms_norm|rope|logsumexp|attention)\)"  # the CPU kernels
+    kernels = [(shape, name) for shape, name in loops if re.search(kernel_jit, name)]
     assert len(kernels) > 20 and all("shard_map/" in name for _, name in kernels), kernels
     rows = local_seqs * batch["tokens"].shape[1]
     h, blocks = config.hidden_size, lambda r, b: -(-r // b)
-    norm_rows = cpu_rows.pow2_rows(h)
-    lse_rows = cpu_rows.pow2_rows(rowwise.default_block_v(config.vocab_size))
-    mlp_rows = cpu_matmul.default_block_rows(h, config.intermediate_size)
+    norm_rows = rows_per_block(h)
+    lse_rows = rows_per_block(rowwise.default_block_v(config.vocab_size))
+    mlp_rows = default_block_rows(h, config.intermediate_size)
     d, heads = config.head_dim, rows * config.num_attention_heads  # q_norm: one row per head
-    head_rows = cpu_rows.pow2_rows(d)
+    head_rows = rows_per_block(d)
     expected = {
         "input_layernorm/": f"f32[{blocks(rows, norm_rows) + 1},{norm_rows},{h}]",
         "q_norm/": f"f32[{blocks(heads, head_rows) + 1},{head_rows},{d}]",
-        "_cpu_logsumexp": f"f32[{blocks(rows, lse_rows) + 1},{lse_rows}]",
-        "up_proj/": f"f32[{blocks(rows, mlp_rows)},{mlp_rows},{config.intermediate_size}]",
+        "jit(logsumexp)": f"f32[{blocks(rows, lse_rows) + 1},{lse_rows}]",
+        "up_proj/": f"f32[{blocks(rows, mlp_rows) + 1},{mlp_rows},{config.intermediate_size}]",
     }
     for key, shape in expected.items():
         got = {s for s, name in kernels if key in name}

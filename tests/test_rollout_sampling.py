@@ -13,7 +13,7 @@ V = 16
 def draw(logits, temperature, top_p, top_k, n=1, seed=0):
     rows = logits.shape[0]
     keys = jax.random.split(jax.random.key(seed), rows * n)
-    rep = lambda x: jnp.repeat(jnp.asarray(x), n, axis=0)  # noqa: E731
+    rep = lambda x: jnp.repeat(jnp.asarray(x), n, axis=0)
     return jax.jit(sample)(
         rep(logits),
         keys,

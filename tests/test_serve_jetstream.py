@@ -114,3 +114,29 @@ def test_serve_cli_on_a_checkpoint(tmp_path, js):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_bound_port_and_unparsable_requests(js, core, server, tmp_path, capsys):
+    """A second server on the bound port fails (no SO_REUSEPORT), the CLI says so before loading a
+    model; request bodies that are not a DecodeRequest (invalid UTF-8 text, garbage) are
+    INVALID_ARGUMENT; a directory that is no model says how to export one."""
+    from qarl_jax import serve
+
+    pb2, _, jetstream_engine = js
+    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}: the port is in use"):
+        jetstream_engine.Server(jetstream_engine.JetStreamEngine(core, sampling=GREEDY), port=server.port)
+    assert serve.main(["--checkpoint", str(tmp_path), "--port", str(server.port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{server.port}" in capsys.readouterr().err
+    valid = pb2.DecodeRequest(max_tokens=4)
+    valid.text_content.text = "AB"
+    bodies = {"invalid UTF-8": valid.SerializeToString().replace(b"AB", b"\xff\xfe"), "garbage": b"\xff" * 7}
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_stream("/jetstream_proto.Orchestrator/Decode", request_serializer=lambda b: b)
+        for name, body in bodies.items():
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(body, timeout=TIMEOUT))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "malformed request" in err.value.details(), name
+    assert serve.main(["--checkpoint", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a Hugging Face model directory" in err and "--export-hf" in err

@@ -61,7 +61,10 @@ class DataConfig:
     ``answer_format="gsm8k"`` keeps what follows ``####``. ``num_epochs=None`` repeats forever.
     ``split`` is the TFDS split, or the synthetic source's ``train``/``test`` half. ``bad_rows``
     (``skip`` counts, ``error`` raises) applies to malformed rows and to prompts longer than
-    ``max_prompt_tokens``.
+    ``max_prompt_tokens``; under ``skip`` a source with fewer than ``min_valid_fraction`` of its
+    rows usable is an error naming the file and the limit. A JSONL file has no test split: the
+    trainer evaluates on ``eval_path``, or splits ``path`` by a hash of each prompt's text
+    (``hash_split``, as the synthetic task splits its problems), so evals never see training rows.
     """
 
     source: str = "synthetic"  # one of SOURCES (plain str so YAML configs nest it)
@@ -80,6 +83,9 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None
     bad_rows: str = "skip"
+    min_valid_fraction: float = 0.1  # stop when fewer of a source's rows are usable (names file, limit)
+    eval_path: str | None = None  # JSONL: the held-out file (else a content-hash split of `path`)
+    hash_split: str | None = None  # JSONL: "train"/"test" keeps one side of the content-hash split
     synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
@@ -91,6 +97,10 @@ class DataConfig:
         _check_int(self.batch_size, "batch_size", 1)
         _check_int(self.samples_per_prompt, "samples_per_prompt", 1)
         _check_int(self.seed, "seed", 0)
+        ok = isinstance(self.min_valid_fraction, int | float) and 0 <= self.min_valid_fraction <= 1
+        _check(ok, "min_valid_fraction", f"must be in [0, 1], got {self.min_valid_fraction!r}")
+        if self.hash_split is not None:
+            _check_choice(self.hash_split, "hash_split", ("train", "test"))
         _check(isinstance(self.shuffle, bool), "shuffle", f"must be a bool, got {self.shuffle!r}")
         if self.num_epochs is not None:
             _check_int(self.num_epochs, "num_epochs", 1)

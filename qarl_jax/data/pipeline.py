@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,9 +19,12 @@ from tokenizers import Tokenizer
 
 from qarl_jax.data.config import DataConfig
 from qarl_jax.data.jsonl import JsonlSource
-from qarl_jax.data.records import Record, Rejected
+from qarl_jax.data.records import CATEGORIES, Record, Rejected, category
 from qarl_jax.data.synthetic import SyntheticArithmetic
 from qarl_jax.data.templates import apply_template
+from qarl_jax.errors import DataError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import grain
@@ -34,7 +38,13 @@ def make_source(config: DataConfig) -> Any:
         return SyntheticArithmetic(config.synthetic, config.seed, config.split)
     if config.source == "jsonl":
         keys = (config.prompt_key, config.answer_key, config.answer_format)
-        return JsonlSource(config.path, *keys, bad_rows=config.bad_rows)
+        return JsonlSource(
+            config.path,
+            *keys,
+            bad_rows=config.bad_rows,
+            min_valid_fraction=config.min_valid_fraction,
+            hash_split=config.hash_split,
+        )
     from qarl_jax.data.tfds_source import tfds_source
 
     return tfds_source(
@@ -98,21 +108,42 @@ class PromptIterator:
         self._iter = iter(dataset)
         self._epoch_size = epoch_size
         self._source = source
+        self.name = str(getattr(source, "path", None) or config.source)  # for messages
         self.skipped: collections.Counter[str] = collections.Counter()
+        self._seen = 0  # rows drawn (valid or not), for min_valid_fraction
+        self._first_logged = False
 
     def __iter__(self) -> PromptIterator:
         return self
 
     def _next_record(self) -> Record | None:
         for run, item in enumerate(self._iter, start=1):
+            self._seen += 1
             if not isinstance(item, Rejected):
                 return item
             if self._config.bad_rows == "error":
                 raise item.error()
             self.skipped[item.reason] += 1
+            if not self._first_logged:
+                self._first_logged = True
+                log.warning("%s: skipping rows; first: %s", self.name, item.error())
             if run >= 2 * self._epoch_size:  # then a whole epoch was rejected: repeating would spin
-                raise ValueError(f"a whole epoch of rows was rejected (skipped: {dict(self.skipped)})")
+                raise DataError(
+                    f"{self.name}: a whole epoch of rows was rejected (skipped: {dict(self.skipped)}; "
+                    f"data.max_prompt_tokens={self._config.max_prompt_tokens})"
+                )
+            self._check_fraction()
         return None
+
+    def _check_fraction(self) -> None:
+        """After a whole epoch has been drawn: too few usable rows is an error naming the limit."""
+        skipped, limit = sum(self.skipped.values()), self._config.min_valid_fraction
+        if self._seen >= self._epoch_size and self._seen - skipped < limit * self._seen:
+            raise DataError(
+                f"{self.name}: {skipped} of the {self._seen} rows drawn were skipped "
+                f"({dict(self.skipped)}), leaving fewer than data.min_valid_fraction={limit} "
+                f"(data.max_prompt_tokens={self._config.max_prompt_tokens})"
+            )
 
     def __next__(self) -> dict[str, Any]:
         records = []
@@ -130,19 +161,40 @@ class PromptIterator:
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable position (grain's) plus skip counts, taken between batches."""
-        return {"version": STATE_VERSION, "grain": self._iter.get_state(), "skipped": dict(self.skipped)}
+        state = {"version": STATE_VERSION, "grain": self._iter.get_state(), "skipped": dict(self.skipped)}
+        return state | {"seen": self._seen}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"iterator state version {state.get('version')!r} != {STATE_VERSION}")
         self._iter.set_state(state["grain"])
         self.skipped = collections.Counter(state["skipped"])
+        self._seen = state.get("seen", 0)
 
     def stats(self) -> dict[str, int]:
         """Rows skipped so far: at source load (whole file) and while iterating (this shard)."""
         counts = collections.Counter(getattr(self._source, "skipped", {}))
         counts.update(self.skipped)
         return dict(counts)
+
+    def skipped_by_category(self) -> dict[str, int]:
+        """:meth:`stats` summed into the metrics' categories (every one present, zeros included)."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for reason, n in self.stats().items():
+            out[category(reason)] += n
+        return out
+
+    def check_start(self, dataset: grain.MapDataset, rows: int = 64) -> None:
+        """Before any work: a :class:`DataError` when none of the first ``rows`` records of the
+        stream (at most an epoch) is usable (all too long, say), naming the source and the limit."""
+        first = [dataset[i] for i in range(min(rows, self._epoch_size))]
+        if first and all(isinstance(r, Rejected) for r in first):
+            reasons = dict(collections.Counter(r.reason for r in first))
+            which = "a whole epoch of rows was" if len(first) == self._epoch_size else "the first rows were"
+            raise DataError(
+                f"{self.name}: {which} rejected ({len(first)} rows: {reasons}; first: "
+                f"{first[0].error()}; data.max_prompt_tokens={self._config.max_prompt_tokens})"
+            )
 
 
 def build_pipeline(
@@ -152,4 +204,6 @@ def build_pipeline(
     source = make_source(config)
     dataset = build_dataset(config, source, tokenizer, shard_index, shard_count)
     epoch_size = len(range(shard_index, len(source), shard_count))
-    return PromptIterator(config, dataset, epoch_size, source)
+    iterator = PromptIterator(config, dataset, epoch_size, source)
+    iterator.check_start(dataset)
+    return iterator

@@ -11,12 +11,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from qarl_jax.errors import MalformedRowError
+
 AnswerFormat = Literal["gsm8k", "plain"]
 Record = dict[str, Any]
 
 
-class MalformedRowError(ValueError):
-    """A row (or prompt) rejected under ``bad_rows="error"``; the message names its origin."""
+CATEGORIES = ("malformed", "too_long", "empty", "undecodable")  # what the metrics count skips by
+_CATEGORY = {"bad_utf8": "undecodable", "empty_prompt": "empty", "too_long": "too_long"}
+
+
+def category(reason: str) -> str:
+    """The metrics' category of a rejection reason (every reason not named is ``malformed``)."""
+    return _CATEGORY.get(reason, "malformed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 from qarl_jax import runlog
 from qarl_jax.runlog import RunLog, load_run
 
-# Average pass@1 on math benchmarks, from ../shared/notes/paper.md (secondary accounts of the paper)
+# Average pass@1 on math benchmarks as secondary accounts of the paper report them
 PAPER = {
     "Qwen3-8B-Base (GRPO)": {"bf16": 51.8, "quantized-rollout": 43.9, "qarl-tbpo": 48.9},
     "Qwen3-30B-A3B-Base (GSPO)": {"bf16": 52.1, "quantized-rollout": 45.7, "qarl-tbpo": 51.2},

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 REMAT_POLICIES = ("full", "save_dots", "none")
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -36,6 +38,22 @@ _HF_KEYS = {
     "architectures",
     "model_type",
 }
+
+
+FLOAT_DTYPES = ("float32", "bfloat16")
+
+
+def dtype_name(dtype: Any, what: str) -> str:
+    """``dtype`` ("bfloat16", ``jnp.bfloat16``, ``np.float32``, ``jnp.dtype("float32")``) as the
+    name the configs store, so JAX's own dtype objects work wherever a name does (the Flax and
+    MaxText convention); ``what`` names the argument in the error."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"{what} must be one of {FLOAT_DTYPES} (a name or a JAX/NumPy dtype), got {dtype!r}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +107,7 @@ class Qwen3Config:
                 f"Qwen3Config.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}"
             )
         for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(
-                    f"Qwen3Config.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}"
-                )
+            object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
 
     @property
     def is_moe(self) -> bool:

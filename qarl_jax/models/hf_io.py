@@ -19,18 +19,16 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.typing import DTypeLike
 from safetensors.numpy import save_file
 
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.errors import CheckpointError
+from qarl_jax.models.config import Qwen3Config, dtype_name
 from qarl_jax.models.qwen3 import Qwen3ForCausalLM
 from qarl_jax.models.stacking import layer_location
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A Hugging Face checkpoint that cannot be read as the model it claims to be."""
 
 
 _DTYPES = {
@@ -268,7 +266,10 @@ def load_config(ckpt: str | os.PathLike, **overrides) -> Qwen3Config:
         raw = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{f}: invalid JSON ({e})") from e
-    return Qwen3Config.from_hf(raw, source=str(f), **overrides)
+    try:
+        return Qwen3Config.from_hf(raw, source=str(f), **overrides)
+    except (TypeError, ValueError) as e:  # an architecture or setting this package does not run
+        raise CheckpointError(str(e)) from e
 
 
 def load_tokenizer(ckpt: str | os.PathLike):
@@ -286,8 +287,8 @@ def load_tokenizer(ckpt: str | os.PathLike):
 
 def from_pretrained(
     ckpt: str | os.PathLike,
-    dtype: str = "float32",
-    compute_dtype: str | None = None,
+    dtype: DTypeLike = "float32",
+    compute_dtype: DTypeLike | None = None,
     quant=None,
     shardings: dict | None = None,
     **overrides,
@@ -295,10 +296,13 @@ def from_pretrained(
     """Load a local Hugging Face Qwen3 / Qwen3-MoE directory -> ``(model, params, tokenizer)``.
 
     ``model.apply({"params": params}, tokens)`` gives logits. ``dtype`` is the parameter dtype,
-    ``compute_dtype`` the matmul dtype (default: ``dtype``); ``shardings`` places each tensor
-    directly with its sharding (see ``qarl_jax.sharding.param_shardings``); ``overrides`` are
-    further :class:`Qwen3Config` fields (``scan_layers=True``: the stacked layout)."""
-    config = load_config(ckpt, param_dtype=dtype, dtype=compute_dtype or dtype, **overrides)
+    ``compute_dtype`` the matmul dtype (default: ``dtype``), each a name or a JAX/NumPy dtype;
+    ``shardings`` places each tensor directly with its sharding (see
+    ``qarl_jax.sharding.param_shardings``); ``overrides`` are further :class:`Qwen3Config` fields
+    (``scan_layers=True``: the stacked layout)."""
+    dtype = dtype_name(dtype, "from_pretrained dtype")
+    compute_dtype = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
+    config = load_config(ckpt, param_dtype=dtype, dtype=compute_dtype, **overrides)
     model = Qwen3ForCausalLM(config, quant)
     return model, load_params(ckpt, config, shardings), load_tokenizer(ckpt)
 

@@ -8,17 +8,15 @@ Only exact or elementwise work (residual adds, activations, gathers) is left to 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import attention as _attention
-from kernels_pallas import cpu_rows, rowwise
-from kernels_pallas.matmul import resolve_backend
+from kernels_pallas import rowwise
+from kernels_pallas.attention import attention as invariant_attention
+from qarl_jax import sharding
 
 
 def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -> jax.Array:
@@ -40,11 +38,9 @@ def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -
             return fn(*full)
 
         return per_device(with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present))
-    axes = nn.logical_to_mesh_axes(("batch",))[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    names = sharding.batch_axes()
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
-    ways = math.prod(mesh.shape[a] for a in names)
-    spec = P(names) if names and rows % ways == 0 else P()
+    spec = P(names) if names and rows % sharding.axis_ways(names, mesh) == 0 else P()
     specs = tuple(spec if b else P() for b in batched)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
 
@@ -71,7 +67,7 @@ def attention(
     indices starts[b, t] + 0..positions[b, t] (starts None: 0, the KV cache) of its own segment
     (segment_ids [B, T], for packed rows where S == T)."""
     return per_device(
-        lambda q, k, v, pos, st, seg: _attention.attention(q, k, v, pos, st, seg, seg),
+        lambda q, k, v, pos, st, seg: invariant_attention(q, k, v, pos, st, seg, seg),
         q,
         k,
         v,
@@ -90,47 +86,23 @@ def softmax(logits: jax.Array) -> jax.Array:
 def log_softmax(logits: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:
     """Log-probabilities of ``logits / temperature`` over the vocabulary in f32; ``temperature`` is
     a float or an array of the row shape (one per row: the rollout's per-slot settings)."""
-    return per_device(rowwise.log_softmax, _tempered(logits, temperature), batched=(True,))
+    return _per_row(rowwise.log_softmax, logits, temperature)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:
     """log p(target) per position: logits [..., V], targets [...] -> [...] (f32); bitwise equal to
     ``log_softmax(logits, temperature)`` at the target, whatever the number of rows, and equal
     between a float temperature (trainer) and a per-row array (rollout)."""
-    return per_device(rowwise.token_logprobs, _tempered(logits, temperature), targets, batched=(True, True))
+    return _per_row(
+        lambda x, t, y: rowwise.token_logprobs(x, y, t), logits, temperature, targets, batched=(True,)
+    )
 
 
-def _tempered(logits: jax.Array, temperature: float | jax.Array) -> jax.Array:
-    """``logits * (1 / temperature)`` in f32 for the temperature-1 kernels, the reciprocal rounded
-    once per row (constant-folded or at run time: the same bits). Why not ``logits / temperature``
-    in place: XLA:CPU turns a division by a broadcast into a multiply by the reciprocal in some
-    programs only, then contracts that multiply with the kernel's ``- lse`` into an FMA in some
-    fusions only (measured: 1-ulp log-prob differences). Temperature 1 is left to the kernel."""
-    if not isinstance(temperature, jax.Array) and temperature == 1.0:
-        return logits
-    inv = 1 / jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
-    return per_device(_scale, logits.astype(jnp.float32), inv, batched=(True, True))
-
-
-@jax.custom_vjp
-def _scale(x: jax.Array, inv: jax.Array) -> jax.Array:
-    """x * inv per row. On CPU a fixed row-block loop materialises the product, so no consumer can
-    fuse (and contract) the multiply; accelerators feed it to their opaque kernels directly."""
-    if resolve_backend(None) != "cpu":
-        return x * inv[..., None]
-    v = x.shape[-1]
-    out = jax.ShapeDtypeStruct((v,), jnp.float32)
-    rows = (x.reshape(-1, v), inv.reshape(-1))
-    scaled = cpu_rows.map_row_blocks(lambda xb, ib: (xb * ib[:, None],), rows, cpu_rows.pow2_rows(v), (out,))
-    return scaled[0].reshape(x.shape)
-
-
-def _scale_fwd(x: jax.Array, inv: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _scale(x, inv), inv
-
-
-def _scale_bwd(inv: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return g * inv[..., None], jnp.zeros_like(inv)
-
-
-_scale.defvjp(_scale_fwd, _scale_bwd)
+def _per_row(fn: Callable[..., jax.Array], logits, temperature, *rows, batched: tuple[bool, ...] = ()):
+    """``fn(logits, temperature, *rows)`` per device. A float temperature stays a Python number
+    (the kernels skip the scaling at 1 and fold the reciprocal otherwise); an array is broadcast to
+    the row shape and split with the rows."""
+    if isinstance(temperature, jax.Array):
+        temps = jnp.broadcast_to(temperature, logits.shape[:-1])
+        return per_device(fn, logits, temps, *rows, batched=(True, True, *batched))
+    return per_device(lambda x, *r: fn(x, temperature, *r), logits, *rows, batched=(True, *batched))

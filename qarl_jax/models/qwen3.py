@@ -14,6 +14,7 @@ Two entry points share the weights:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -35,6 +36,8 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+    # logical axes of k and v: slots split like batch rows, heads like the attention's heads
+    logical_axes: ClassVar[tuple[str | None, ...]] = (None, "batch", None, "kv_heads", None)
 
     @classmethod
     def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -105,7 +108,7 @@ class Attention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)  # noqa: E731
+        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)
         q = dense(h * d, ("embed", "q_heads"), "q_proj")(x).reshape(b, t, h, d)
         k = dense(kv * d, ("embed", "kv_heads"), "k_proj")(x).reshape(b, t, kv, d)
         v = dense(kv * d, ("embed", "kv_heads"), "v_proj")(x).reshape(b, t, kv, d)
@@ -131,7 +134,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)  # noqa: E731
+        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)
         gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
         up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
         hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))

@@ -31,8 +31,7 @@ from kernels_pallas import (
     quantized_matmul,
     quantized_matmul_ste,
 )
-from kernels_pallas.formats import check_format
-from kernels_pallas.ste import Quantizer
+from kernels_pallas.formats import Quantizer, check_format
 
 KINDS = ("attention", "mlp", "experts", "lm_head", "router", "embed")
 MODES = ("aligned", "naive")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from qarl_jax.errors import GraderError
 from qarl_jax.rewards.latex import grade_math
 from qarl_jax.rewards.numbers import grade_number
 
@@ -111,7 +112,7 @@ class Grader:
         if kind in IN_PROCESS_KINDS:
             fn = self.graders[kind]
             scores = [fn(r, a, self._inner_timeout) for r, a in zip(responses, answers, strict=True)]
-            return np.asarray(scores, np.float32)
+            return _checked(np.asarray(scores, np.float32), kind, self.graders[kind])
         while len(self._workers) < self._num_workers:
             self._workers.append(self._spawn())
         scores = np.zeros(len(responses), np.float32)
@@ -122,7 +123,7 @@ class Grader:
                     self._dispatch(w, pending.popleft(), kind, responses, answers)
             self._collect(scores)
         self.stats["graded"] += len(responses)
-        return scores
+        return _checked(scores, kind, self.graders[kind])
 
     def _dispatch(
         self, w: _Worker, i: int, kind: str, responses: Sequence[str], answers: Sequence[str]
@@ -177,6 +178,19 @@ class Grader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked(scores: np.ndarray, kind: str, fn: GradeFn) -> np.ndarray:
+    """``scores``, unless a grader broke the contract (a score in [0, 1]): then a
+    :class:`GraderError` naming it, since a NaN or 5.0 reward would silently skew every advantage."""
+    bad = np.flatnonzero(~((scores >= 0.0) & (scores <= 1.0)))  # NaN fails both comparisons
+    if bad.size:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise GraderError(
+            f"grader {kind!r} ({getattr(fn, '__module__', '?')}.{name}) returned {float(scores[bad[0]])} for "
+            f"response {int(bad[0])} ({bad.size} of {scores.size} outside [0, 1]); scores must be in [0, 1]"
+        )
+    return scores
 
 
 def grade(responses: Sequence[str], answers: Sequence[str], kind: str, **grader_kwargs: Any) -> np.ndarray:

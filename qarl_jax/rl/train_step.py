@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import jax
@@ -35,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
@@ -207,9 +205,10 @@ class Trainer:
         """Place a host batch with its sequences split over the mesh's batch axes."""
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        axes = dict(self.rules)["batch"]
-        spec = lambda v: PartitionSpec(axes, *([None] * (np.ndim(v) - 1)))  # noqa: E731
-        return {k: jax.device_put(v, NamedSharding(self.mesh, spec(v))) for k, v in batch.items()}
+        return {
+            k: jax.device_put(v, sharding.batch_sharding(self.mesh, np.ndim(v), self.rules))
+            for k, v in batch.items()
+        }
 
     def _score_rows(self, n: int) -> int:
         """Sequences per scoring forward: the update's micro-batch, which must split over the mesh's
@@ -220,10 +219,8 @@ class Trainer:
                 f"a rollout batch of {n} sequences does not split into train.num_minibatches x "
                 f"train.micro_batches = {parts} micro-batches (old log-probs are scored per micro-batch)"
             )
-        rows, ways = n // parts, 1
-        if self.mesh is not None:
-            axes = dict(self.rules)["batch"]
-            ways = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        rows = n // parts
+        ways = 1 if self.mesh is None else sharding.batch_ways(self.mesh, self.rules)
         if rows % ways:
             raise ValueError(
                 f"micro-batches of {rows} sequences (scoring chunks) do not split over the {ways} devices "
@@ -238,8 +235,8 @@ class Trainer:
         slice of each device's own rows (no resharding); one chunk's shape, one compile."""
         n = batch["tokens"].shape[0]
         chunks = n // self._score_rows(n)
-        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)  # noqa: E731
-        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])  # noqa: E731
+        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)
+        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])
 
         def one(chunk):
             return score(self.model, params, *(chunk[k] for k in FORWARD_KEYS), self.train.temperature)
@@ -302,7 +299,7 @@ class Trainer:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = dataclasses.replace(  # the reference (if any) passes through
             state,
             params=keep(new_params, state.params),

@@ -9,6 +9,7 @@ from qarl_jax.rollout.engine import (
     Prefix,
     RolloutEngine,
     SlotRequest,
+    SlotSettings,
     StepOutput,
     sample_key,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "SlotRequest",
+    "SlotSettings",
     "StepOutput",
     "rollout",
     "sample_key",

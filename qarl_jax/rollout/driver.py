@@ -118,7 +118,13 @@ def rollout(
                 slot = free.pop(0)
                 requests.append(
                     SlotRequest(
-                        unique.index(p), slot, prompt_ids[p], s, max_new_tokens, sampling, not ignore_eos
+                        row=unique.index(p),
+                        slot=slot,
+                        prompt_index=prompt_ids[p],
+                        sample_index=s,
+                        max_new=max_new_tokens,
+                        sampling=sampling,
+                        stop_on_eos=not ignore_eos,
                     )
                 )
                 in_slot[slot] = Sample(p, s, [], [], [], sampling.describe())

@@ -1,4 +1,4 @@
-"""The rollout engine core: bucketed prefill, insert into a decode slot, one generate step for all
+r"""The rollout engine core: bucketed prefill, insert into a decode slot, one generate step for all
 slots, over a preallocated KV cache. Plain JAX (no JetStream, no TensorFlow).
 
 Shapes are fixed per call family, so compilation is bounded: generate compiles once; prefill once
@@ -9,19 +9,24 @@ the training forward computes for K and V.
 
 Sample randomness is keyed by (seed, prompt index, sample index) and the token's index in the
 sample, never by slot or step: a sample's tokens do not depend on what ran beside it.
+
+A :class:`DecodeHook` observes the decode forward without changing it: its ``collect`` runs inside
+the jitted prefill and generate calls on the forward's "intermediates" (what the model ``sow``\ s,
+e.g. the MoE routing) and the host calls hand it what ``collect`` returned, with the requests each
+insert placed, so a tool can file per-token internals by sample.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from qarl_jax import sharding
 from qarl_jax.models import KVCache, Qwen3ForCausalLM
@@ -60,6 +65,42 @@ class EngineConfig:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotSettings:
+    """What each slot's sample asked for, one entry per slot (or per request, at insert): set once
+    when a sample starts, read by every generate step. One pytree, so adding a setting edits this
+    class, :meth:`columns` and the step that reads it."""
+
+    max_new: jax.Array  # int32, tokens to generate (capped by the cache room at insert)
+    stop_on_eos: jax.Array  # bool
+    temperature: jax.Array  # f32, 0 = greedy
+    top_p: jax.Array  # f32
+    top_k: jax.Array  # int32, 0 = no truncation
+
+    @classmethod
+    def empty(cls, n: int) -> SlotSettings:
+        """Settings of ``n`` empty slots (distinct device buffers: the decode state is donated)."""
+        return cls(
+            max_new=jnp.zeros((n,), jnp.int32),
+            stop_on_eos=jnp.ones((n,), bool),
+            temperature=jnp.ones((n,), jnp.float32),
+            top_p=jnp.ones((n,), jnp.float32),
+            top_k=jnp.zeros((n,), jnp.int32),
+        )
+
+    @classmethod
+    def columns(cls, requests: Sequence[SlotRequest], size: int) -> SlotSettings:
+        """Host columns of the requests' settings, zero-padded to ``size`` rows."""
+        return cls(
+            max_new=_column([r.max_new for r in requests], size, np.int32),
+            stop_on_eos=_column([r.stop_on_eos for r in requests], size, bool),
+            temperature=_column([r.sampling.temperature for r in requests], size, np.float32),
+            top_p=_column([r.sampling.top_p for r in requests], size, np.float32),
+            top_k=_column([r.sampling.top_k for r in requests], size, np.int32),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """Per slot: the last sampled token (not yet in the cache), its position and bookkeeping.
 
@@ -70,12 +111,8 @@ class DecodeState:
     positions: jax.Array  # [S] int32, where ``tokens`` goes in the cache
     keys: jax.Array  # [S, key data] uint32, the sample's key
     generated: jax.Array  # [S] int32, tokens sampled so far (including the first, at insert)
-    max_new: jax.Array  # [S] int32
-    stop_on_eos: jax.Array  # [S] bool
     done: jax.Array  # [S] bool
-    temperature: jax.Array  # [S] f32
-    top_p: jax.Array  # [S] f32
-    top_k: jax.Array  # [S] int32
+    settings: SlotSettings
 
 
 @jax.tree_util.register_dataclass
@@ -100,7 +137,7 @@ class StepOutput:
     finished: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SlotRequest:
     """What ``insert`` needs per slot: a prefix row, the sample's identity and its settings."""
 
@@ -111,6 +148,26 @@ class SlotRequest:
     max_new: int
     sampling: SamplingParams = SamplingParams()
     stop_on_eos: bool = True
+
+
+def _column(values: Sequence, size: int, dtype, fill=0) -> np.ndarray:
+    """``values`` as a host array of ``size`` rows, the rest ``fill``."""
+    out = np.full((size,), fill, dtype)
+    out[: len(values)] = values
+    return out
+
+
+class DecodeHook(Protocol):
+    """What the engine tells an observer of its decode forward (see the module docstring)."""
+
+    def collect(self, positions: jax.Array, intermediates: dict) -> Any:
+        """Traced: the arrays to keep from one forward (``positions`` [rows, T])."""
+
+    def prefilled(self, prompts: Sequence[Sequence[int]], collected: Any) -> None: ...
+
+    def inserted(self, requests: Sequence[SlotRequest]) -> None: ...
+
+    def generated(self, out: StepOutput, collected: Any) -> None: ...
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -143,15 +200,18 @@ class RolloutEngine:
         config: EngineConfig = EngineConfig(),
         mesh: Mesh | None = None,
         rules=sharding.DEFAULT_RULES,
+        hook: DecodeHook | None = None,
     ):
         self.model, self.config, self.mesh, self.rules = model, config, mesh, rules
+        self.hook = hook
+        self._collected = None  # a traced forward's hook output, read back within the same trace
         self.params = params
         self._param_shardings = jax.tree.map(lambda x: x.sharding, params)
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self._eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
-        self._prefill = jax.jit(self._prefill_impl)
+        self._prefill = jax.jit(self._with_collected(self._prefill_impl))
         self._insert = jax.jit(self.insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self.generate_impl, donate_argnums=(1,))
+        self._generate = jax.jit(self._with_collected(self.generate_impl), donate_argnums=(1,))
         self._release = jax.jit(self._release_impl, donate_argnums=(0,))
         self.state: DecodeState | None = None
 
@@ -184,19 +244,15 @@ class RolloutEngine:
             cache = KVCache.init(self.model.config, s, c.max_len)
             if self.mesh is not None:
                 cache = jax.device_put(cache, self._cache_sharding(cache.k.shape))
-            zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  (distinct buffers: all are donated)
+            zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
             return DecodeState(
                 cache=cache,
                 tokens=zeros(),
                 positions=zeros(),
                 keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
                 generated=zeros(),
-                max_new=zeros(),
-                stop_on_eos=jnp.ones((s,), bool),
                 done=jnp.ones((s,), bool),
-                temperature=jnp.ones((s,), jnp.float32),
-                top_p=jnp.ones((s,), jnp.float32),
-                top_k=zeros(),
+                settings=SlotSettings.empty(s),
             )
 
     def allocate(self) -> DecodeState:
@@ -230,52 +286,44 @@ class RolloutEngine:
         lens = np.ones((rows,), np.int32)
         lens[: len(prompts)] = lengths
         with self.context():
-            return self._prefill(params, tokens, lens)
+            prefix = self._prefill(params, tokens, lens)
+        if self.hook is not None:
+            prefix, collected = prefix
+            self.hook.prefilled(prompts, collected)
+        return prefix
 
     def insert(self, prefix: Prefix, state: DecodeState, requests: Sequence[SlotRequest], seed: int):
         """Start samples in slots from prefix rows; samples each one's first token.
 
         Returns (state, StepOutput [len(requests) padded to a bucket]) for those first tokens."""
+        if self.hook is not None:
+            self.hook.inserted(requests)
         with self.context():
             return self._insert(prefix, state, self.insert_columns(requests), np.int32(seed))
 
-    def insert_columns(self, requests: Sequence[SlotRequest]) -> dict[str, np.ndarray]:
+    def insert_columns(self, requests: Sequence[SlotRequest]) -> dict:
         """The insert call's per-request arrays, padded to a bucket (padding targets no slot)."""
         k = bucket(len(requests), _pow2_buckets(self.config.slots))
-        fields = dict(
-            rows=np.int32,
-            prompt_index=np.int32,
-            sample_index=np.int32,
-            max_new=np.int32,
-            top_k=np.int32,
-            stop_on_eos=bool,
-            temperature=np.float32,
-            top_p=np.float32,
-        )
-        cols = {name: np.zeros((k,), dtype) for name, dtype in fields.items()}
-        cols["slots"] = np.full((k,), self.config.slots, np.int32)  # out of range: dropped
-        for i, r in enumerate(requests):
+        for r in requests:
             if not 0 <= r.slot < self.config.slots:
                 raise ValueError(f"slot {r.slot} out of range [0, {self.config.slots})")
-            vals = dict(
-                rows=r.row,
-                slots=r.slot,
-                prompt_index=r.prompt_index,
-                sample_index=r.sample_index,
-                max_new=r.max_new,
-                top_k=r.sampling.top_k,
-                stop_on_eos=r.stop_on_eos,
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-            )
-            for name, v in vals.items():
-                cols[name][i] = v
-        return cols
+        return dict(
+            rows=_column([r.row for r in requests], k, np.int32),
+            slots=_column([r.slot for r in requests], k, np.int32, fill=self.config.slots),  # dropped
+            prompt_index=_column([r.prompt_index for r in requests], k, np.int32),
+            sample_index=_column([r.sample_index for r in requests], k, np.int32),
+            settings=SlotSettings.columns(requests, k),
+        )
 
     def generate(self, params, state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """One token for every live slot (state donated: the cache is updated in place)."""
         with self.context():
-            return self._generate(params, state)
+            out = self._generate(params, state)
+        if self.hook is None:
+            return out
+        (state, step), collected = out
+        self.hook.generated(step, collected)
+        return state, step
 
     def release_slots(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Mark slots empty (a sample stopped on the host, e.g. by a stop string)."""
@@ -303,36 +351,46 @@ class RolloutEngine:
 
     def _cache_sharding(self, shape) -> NamedSharding:
         """Slots over the batch axes and KV heads over tensor, where they divide evenly."""
-        spec = nn.logical_to_mesh_axes((None, "batch", None, "kv_heads", None), self.rules)
-        fit = []
-        for dim, axes in zip(shape, spec, strict=True):
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            size = int(np.prod([self.mesh.shape[a] for a in names]))
-            fit.append(axes if dim % size == 0 else None)
-        return NamedSharding(self.mesh, PartitionSpec(*fit))
+        return NamedSharding(
+            self.mesh, sharding.fitting_spec(shape, KVCache.logical_axes, self.mesh, self.rules)
+        )
 
     def context(self):
         """The engine's mesh and logical rules (every jitted call runs inside it)."""
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
-    def _apply_decode(self, params, tokens, positions, cache):
-        return self.model.apply({"params": params}, tokens, positions, cache, method="decode")
+    def _apply_decode(self, params, tokens, positions, cache, method: str = "decode"):
+        variables = {"params": params}
+        if self.hook is None:
+            return self.model.apply(variables, tokens, positions, cache, method=method)
+        out, state = self.model.apply(
+            variables, tokens, positions, cache, method=method, mutable=["intermediates"]
+        )
+        self._collected = self.hook.collect(positions, state["intermediates"])
+        return out
 
-    def _apply_decode_hidden(self, params, tokens, positions, cache):
-        return self.model.apply({"params": params}, tokens, positions, cache, method="decode_hidden")
+    def _with_collected(self, fn: Callable) -> Callable:
+        """``fn``, returning also what the hook collected in its trace (``fn`` itself without a hook)."""
+        if self.hook is None:
+            return fn
 
-    def _prefill_chunk(self, t: int) -> int:
-        return self.config.prefill_chunk
+        def call(*args):
+            out = fn(*args)
+            collected, self._collected = self._collected, None
+            return out, collected
+
+        return call
 
     def _prefill_impl(self, params, tokens, lengths) -> Prefix:
         """The prompts' K/V and the logits after each one's last token. A bucket longer than
         ``prefill_chunk`` runs in a scan over chunks of it (the last chunk padded: positions past
         the cache are dropped), each keeping only the final-norm hidden state at its rows' last
         prompt token; the head then runs once on those. Every kernel is row-wise and the cache
-        layout is the decode step's, so the bits are those of one whole-prompt call."""
+        layout is the decode step's, so the bits are those of one whole-prompt call. With a hook,
+        whole prompts: it reads the intermediates of one traced forward."""
         p, t = tokens.shape
         cache = KVCache.init(self.model.config, p, t)
-        chunk = min(t, self._prefill_chunk(t))
+        chunk = t if self.hook is not None else min(t, self.config.prefill_chunk)
         n = -(-t // chunk)
         positions = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (p, n * chunk))
         tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
@@ -342,7 +400,7 @@ class RolloutEngine:
         def step(carry, chunk_in):
             cache, last = carry
             toks, pos = chunk_in
-            hidden, cache = self._apply_decode_hidden(params, toks, pos, cache)
+            hidden, cache = self._apply_decode(params, toks, pos, cache, method="decode_hidden")
             at = lengths - 1 - pos[:, 0]  # the last prompt token's index within this chunk
             pick = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
             return (cache, jnp.where(((at >= 0) & (at < chunk))[:, None], pick, last)), None
@@ -358,28 +416,26 @@ class RolloutEngine:
     def insert_impl(self, prefix: Prefix, state: DecodeState, cols, seed):
         rows, slots = cols["rows"], cols["slots"]
         t = prefix.cache.k.shape[2]
-        put = lambda dst, src: dst.at[:, slots, :t].set(src[:, rows].astype(dst.dtype), mode="drop")  # noqa: E731
+        put = lambda dst, src: dst.at[:, slots, :t].set(src[:, rows].astype(dst.dtype), mode="drop")
         cache = KVCache(k=put(state.cache.k, prefix.cache.k), v=put(state.cache.v, prefix.cache.v))
         keys = jax.vmap(sample_key, in_axes=(None, 0, 0))(seed, cols["prompt_index"], cols["sample_index"])
         first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
-        tokens, lp, slp = sample(
-            prefix.last_logits[rows], first_keys, cols["temperature"], cols["top_p"], cols["top_k"]
+        new: SlotSettings = cols["settings"]
+        new = dataclasses.replace(
+            new,
+            max_new=jnp.minimum(new.max_new, self.config.max_len - prefix.lengths[rows]),  # cache room
         )
-        max_new = jnp.minimum(cols["max_new"], self.config.max_len - prefix.lengths[rows])  # cache room
-        finished = (max_new <= 1) | (cols["stop_on_eos"] & jnp.isin(tokens, self._eos))
-        set_ = lambda arr, v: arr.at[slots].set(v, mode="drop")  # noqa: E731
+        tokens, lp, slp = sample(prefix.last_logits[rows], first_keys, new.temperature, new.top_p, new.top_k)
+        finished = (new.max_new <= 1) | (new.stop_on_eos & jnp.isin(tokens, self._eos))
+        set_ = lambda arr, v: arr.at[slots].set(v, mode="drop")
         state = DecodeState(
             cache=cache,
             tokens=set_(state.tokens, tokens),
             positions=set_(state.positions, prefix.lengths[rows]),
             keys=set_(state.keys, jax.random.key_data(keys)),
             generated=set_(state.generated, jnp.ones_like(rows)),
-            max_new=set_(state.max_new, max_new),
-            stop_on_eos=set_(state.stop_on_eos, cols["stop_on_eos"]),
             done=set_(state.done, finished),
-            temperature=set_(state.temperature, cols["temperature"]),
-            top_p=set_(state.top_p, cols["top_p"]),
-            top_k=set_(state.top_k, cols["top_k"]),
+            settings=jax.tree.map(set_, state.settings, new),
         )
         valid = slots < self.config.slots
         return state, StepOutput(tokens, lp, slp, valid, finished & valid)
@@ -389,10 +445,11 @@ class RolloutEngine:
         logits, cache = self._apply_decode(params, tokens, positions, state.cache)
         keys = jax.random.wrap_key_data(state.keys)
         step_keys = jax.vmap(jax.random.fold_in)(keys, state.generated)
-        tokens, lp, slp = sample(logits[:, 0], step_keys, state.temperature, state.top_p, state.top_k)
+        st = state.settings
+        tokens, lp, slp = sample(logits[:, 0], step_keys, st.temperature, st.top_p, st.top_k)
         live = ~state.done
         generated = state.generated + live
-        finished = live & ((generated >= state.max_new) | (state.stop_on_eos & jnp.isin(tokens, self._eos)))
+        finished = live & ((generated >= st.max_new) | (st.stop_on_eos & jnp.isin(tokens, self._eos)))
         state = dataclasses.replace(
             state,
             cache=cache,

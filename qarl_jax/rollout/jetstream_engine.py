@@ -11,7 +11,12 @@ Adaptations to 0.2.2, each for a reason:
 - Driver threads SIGKILL the process on any exception, so requests are validated in the gRPC
   handler before they reach a thread (bad ones get INVALID_ARGUMENT); and 0.2.2's ``delete_pytree``
   calls ``jax.tree_map`` (removed from JAX), replaced here by a working one.
-- ``server_lib`` binds every interface; :class:`Server` binds 127.0.0.1 unless told otherwise.
+- ``server_lib`` binds every interface; :class:`Server` binds 127.0.0.1 unless told otherwise,
+  and without SO_REUSEPORT (gRPC's default), so a second server on a bound port fails instead of
+  silently sharing its traffic.
+- gRPC answers a request body it cannot parse (garbage, invalid UTF-8 in a string field) with
+  UNKNOWN and a logged traceback; :class:`Server` parses requests itself and answers
+  INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jetstream.core import orchestrator
-from jetstream.core.proto import jetstream_pb2_grpc
+from jetstream.core.proto import jetstream_pb2
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from qarl_jax.rollout.engine import DecodeState, RolloutEngine, SlotRequest
@@ -157,7 +162,10 @@ class JetStreamEngine(engine_api.Engine):
     def insert(self, prefix, decode_state: JetDecodeState, slot: int) -> JetDecodeState:
         prefix, request = prefix
         room = self.core.config.max_len
-        cols = self.core.insert_columns([SlotRequest(0, slot, request, 0, room, self.sampling)])
+        req = SlotRequest(
+            row=0, slot=slot, prompt_index=request, sample_index=0, max_new=room, sampling=self.sampling
+        )
+        cols = self.core.insert_columns([req])
         with self.core.context():
             return self._insert(prefix, decode_state, cols, np.int32(self.seed))
 
@@ -231,6 +239,21 @@ class JetStreamEngine(engine_api.Engine):
         return new, data
 
 
+@dataclasses.dataclass(frozen=True)
+class Unparsable:
+    """A request body that is not a ``DecodeRequest``, with protobuf's reason."""
+
+    error: str
+
+
+def parse_decode_request(data: bytes):
+    """The ``DecodeRequest`` in ``data``, or :class:`Unparsable` (never raises: gRPC would log it)."""
+    try:
+        return jetstream_pb2.DecodeRequest.FromString(data)
+    except Exception as e:
+        return Unparsable(str(e) or type(e).__name__)
+
+
 class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
     """JetStream's servicer with requests checked first: a bad one is answered INVALID_ARGUMENT
     instead of reaching (and killing) a driver thread."""
@@ -240,6 +263,8 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
         self._engine = engine
 
     def _problem(self, request) -> str | None:
+        if isinstance(request, Unparsable):
+            return f"malformed request: {request.error}"
         which = request.WhichOneof("content")
         if which is None:
             return "empty request: set text_content or token_content"
@@ -285,12 +310,28 @@ class Server:
         self._thread.start()
 
         async def build():
-            server = grpc.aio.server(self._executor)
-            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-                ValidatingOrchestrator(self.driver, engine), server
-            )
-            bound = server.add_insecure_port(f"{host}:{port}")
-            await server.start()
+            server = grpc.aio.server(self._executor, options=[("grpc.so_reuseport", 0)])
+            servicer = ValidatingOrchestrator(self.driver, engine)
+            handlers = {
+                "Decode": grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=parse_decode_request,
+                    response_serializer=jetstream_pb2.DecodeResponse.SerializeToString,
+                ),
+                "HealthCheck": grpc.unary_unary_rpc_method_handler(
+                    servicer.HealthCheck,
+                    request_deserializer=jetstream_pb2.HealthCheckRequest.FromString,
+                    response_serializer=jetstream_pb2.HealthCheckResponse.SerializeToString,
+                ),
+            }
+            service = jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+            try:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            except RuntimeError:  # newer gRPC raises where older returned port 0
+                bound = 0
+            if bound:
+                await server.start()
             return server, bound
 
         try:
@@ -300,7 +341,7 @@ class Server:
             raise
         if not self.port:
             self.stop()
-            raise OSError(f"could not bind {host}:{port}")
+            raise OSError(f"cannot bind {host}:{port}: the port is in use (another server?) or not ours")
         self.address = f"{host}:{self.port}"
 
     def _run(self, coro):

@@ -87,5 +87,5 @@ def sample(
     )
     drawn = jax.vmap(jax.random.categorical)(keys, sampling)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
+    pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     return tokens, pick(ops.log_softmax(logits)), jnp.where(greedy, 0.0, pick(sampling))

@@ -33,21 +33,19 @@ import json
 import math
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from qarl_jax import quant, sharding
+from qarl_jax.build import build_policy, build_tokenizer, eos_ids
 from qarl_jax.config import Config, ConfigError, load_config
 from qarl_jax.rl.alignment import generated_logprobs, pack
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import logprob_loss, training_model
 from qarl_jax.rollout import EngineConfig, RolloutEngine, Sample, SamplingParams, rollout
-from qarl_jax.tools.routing import RoutingEngine, routed_experts
-from qarl_jax.train import EOS_TOKENS, build_policy, build_tokenizer
+from qarl_jax.tools.routing import RouteRecorder, routed_experts
 
 KEYS = (
     "n_tokens",
@@ -104,20 +102,21 @@ def _prompts(config: Config, vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
 
 
-def _rollout(config: Config, model, params, mesh: Mesh, prompts, eos_ids, progress: bool):
+def _rollout(config: Config, model, params, mesh: Mesh, prompts, stops: tuple[int, ...], progress: bool):
     """Samples from the engine on ``mesh`` (frozen weights quantized there) and, for MoE, the
     decode path's routing per sample."""
     rules, r = config.mesh.rules, config.rollout
     with sharding.activate(mesh, rules):
         placed = jax.device_put(params, sharding.param_shardings(model, mesh, rules))
         frozen = jax.jit(lambda p: quant.quantize_params(p, config.quant))(placed)
-        engine_cls = RoutingEngine if model.config.is_moe else RolloutEngine
-        engine = engine_cls(
+        recorder = RouteRecorder() if model.config.is_moe else None
+        engine = RolloutEngine(
             model,
             frozen,
-            EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=eos_ids),
+            EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=stops),
             mesh=mesh,
             rules=rules,
+            hook=recorder,
         )
     samples = rollout(
         engine,
@@ -132,7 +131,7 @@ def _rollout(config: Config, model, params, mesh: Mesh, prompts, eos_ids, progre
     if not model.config.is_moe:
         return flat, None
     lengths = {(s.prompt_index, s.sample_index): len(prompts[s.prompt_index]) + s.length - 1 for s in flat}
-    routes = engine.routes(lengths)
+    routes = recorder.routes(lengths)
     return flat, [routes[(s.prompt_index, s.sample_index)] for s in flat]
 
 
@@ -165,14 +164,6 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
         yield list(idx), batch
 
 
-def _row_sharding(mesh: Mesh, rules, rows: int) -> NamedSharding:
-    """Rows over the batch axes (as the trainer shards its batch), replicated if they do not divide."""
-    axes = nn.logical_to_mesh_axes(("batch", None), rules)[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    ways = math.prod(mesh.shape[n] for n in names)
-    return NamedSharding(mesh, P(names, None) if names and rows % ways == 0 else P())
-
-
 def _objective(logp: jax.Array, batch) -> jax.Array:
     """A stand-in loss (mean log-prob of the real tokens): only its auxiliary log-probs are used."""
     real = batch["segment_ids"] > 0
@@ -191,7 +182,7 @@ def _score(config: Config, model, params, mesh: Mesh, prompts, samples: list[Sam
             {"params": p}, b["tokens"], b["positions"], b["segment_ids"], mutable=["intermediates"]
         )[1]["intermediates"]
     )
-    rows = _row_sharding(mesh, rules, config.alignment.train_rows)
+    rows = sharding.batch_sharding(mesh, 2, rules, rows=config.alignment.train_rows)
     logps, routes = [None] * len(samples), [None] * len(samples)
     with sharding.activate(mesh, rules):
         for idx, batch in _batches(config, prompts, samples):
@@ -222,9 +213,9 @@ def run(config: Config, progress: bool = True) -> dict:
     with sharding.activate(train_mesh, config.mesh.rules):
         model, params = build_policy(config, train_mesh)
     tokenizer = build_tokenizer(config)
-    eos_ids = tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
     prompts = _prompts(config, model.config.vocab_size)
-    samples, rollout_routes = _rollout(config, model, params, rollout_mesh, prompts, eos_ids, progress)
+    stops = eos_ids(tokenizer)
+    samples, rollout_routes = _rollout(config, model, params, rollout_mesh, prompts, stops, progress)
     train_lp, train_routes = _score(config, model, params, train_mesh, prompts, samples)
     report = mismatch(train_lp, [np.asarray(s.sampling_logprobs, np.float32) for s in samples])
     same = None

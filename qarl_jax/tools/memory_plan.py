@@ -61,22 +61,19 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from qarl_jax import quant, sharding
+from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
-from qarl_jax.models import Qwen3Config, Qwen3ForCausalLM, preset
+from qarl_jax.errors import PlanError
+from qarl_jax.models import KVCache, Qwen3Config, Qwen3ForCausalLM, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig
 from qarl_jax.rollout.engine import bucket
-from qarl_jax.train import model_dir
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
 PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cache")
 PHASES = ("rollout", "scoring", "update")
-
-
-class PlanError(ValueError):
-    """A config that cannot run on the stated mesh; the message names what does not divide."""
 
 
 def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3Config, str]:
@@ -109,15 +106,12 @@ def _names(path) -> tuple[str, ...]:
     return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def _ways(axes, mesh: dict[str, int]) -> int:
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(mesh[a] for a in names)
-
-
 def _shard_bytes(shape, dtype, spec, mesh: dict[str, int]) -> int:
     """Bytes of one device's shard; a dimension its axes do not divide counts as replicated."""
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    dims = [d // w if d % (w := _ways(a, mesh)) == 0 else d for d, a in zip(shape, spec, strict=True)]
+    dims = [
+        d // w if d % (w := sharding.axis_ways(a, mesh)) == 0 else d for d, a in zip(shape, spec, strict=True)
+    ]
     return math.prod(dims) * jnp.dtype(dtype).itemsize
 
 
@@ -135,7 +129,7 @@ def _param_specs(model: Qwen3ForCausalLM, mesh: dict[str, int], rules) -> tuple[
         name = "/".join(_names(path))
         specs[_names(path)] = s.spec
         for i, (dim, axes) in enumerate(zip(leaf.shape, s.spec, strict=False)):
-            if dim % (w := _ways(axes, mesh)):
+            if dim % (w := sharding.axis_ways(axes, mesh)):
                 bad.append(
                     f"{name} {leaf.shape}: dim {i} ({dim}) does not divide by mesh axes {axes!r} = {w}"
                 )
@@ -207,15 +201,15 @@ def plan(
     params, specs = _param_specs(model, mesh, m.rules)
     frozen = jax.eval_shape(lambda p: quant.quantize_params(p, config.quant), params)
     opt_state = jax.eval_shape(make_optimizer(config.optimizer).init, params)
-    ways = _ways(nn.logical_to_mesh_axes(("batch",), m.rules)[0], mesh)
+    ways = sharding.batch_ways(mesh, m.rules)
 
     r, cb, pb = config.rollout, jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
-    kv_spec = nn.logical_to_mesh_axes((None, "batch", None, "kv_heads", None), m.rules)
+    kv_spec = nn.logical_to_mesh_axes(KVCache.logical_axes, m.rules)
     kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.num_key_value_heads, c.head_dim)
     notes = [
         f"KV cache: {d} does not split over {ax!r}: replicated"
         for d, ax in zip(kv_shape, kv_spec, strict=True)
-        if d % _ways(ax, mesh)
+        if d % sharding.axis_ways(ax, mesh)
     ]
     param_bytes = _tree_bytes(params, specs, mesh)
     persistent = dict(

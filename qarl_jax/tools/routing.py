@@ -1,21 +1,22 @@
 """The experts the rollout engine routed every token to, for MoE alignment checks.
 
 The MoE layers ``sow`` their top-k choices (``router_topk``) into "intermediates" (a no-op unless
-that collection is mutable). :class:`RoutingEngine` re-jits the engine's prefill and generate
-calls so they also return those choices, and its host wrappers file them by sample with the
-slot -> sample assignment the driver makes at insert. The token bits are the plain engine's: the same decode
-forward runs, its routing is only returned as well.
+that collection is mutable). :class:`RouteRecorder` is the engine's decode hook
+(:class:`~qarl_jax.rollout.engine.DecodeHook`): inside the jitted prefill and generate calls it
+keeps those choices, and on the host it files them by sample with the slot -> sample assignment
+the driver makes at insert. The token bits are the plain engine's: the same decode forward runs,
+its routing is only returned as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qarl_jax.rollout.engine import DecodeState, Prefix, RolloutEngine, SlotRequest, StepOutput
+from qarl_jax.rollout.engine import SlotRequest, StepOutput
 
 SampleId = tuple[int, int]  # (prompt index, sample index)
 
@@ -36,63 +37,32 @@ def routed_experts(intermediates) -> jax.Array | None:
     return jnp.concatenate([t for _, t in sorted(found, key=lambda f: f[0])], axis=2) if found else None
 
 
-class RoutingEngine(RolloutEngine):
-    """A :class:`RolloutEngine` that also records, for every token its decode forward processes,
-    the experts it was routed to (read back once, by :meth:`routes`)."""
+class RouteRecorder:
+    """Records, for every token the engine's decode forward processes, the experts it was routed
+    to (read back once, by :meth:`routes`). Pass it as ``RolloutEngine(..., hook=recorder)``."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._prefill = jax.jit(self._with_routes(self._prefill_impl))
-        self._generate = jax.jit(self._with_routes(self.generate_impl), donate_argnums=(1,))
-        self._traced: tuple[jax.Array, jax.Array] | None = None
-        self._prefilled: tuple[Sequence[Sequence[int]], tuple[jax.Array, jax.Array]] | None = None
+    def __init__(self):
+        self._prompts: Sequence[Sequence[int]] = ()
+        self._prefill_routes: jax.Array | None = None
         self._slot_sample: dict[int, SampleId] = {}
         self._prefill_rows: list[tuple[SampleId, int, int, jax.Array]] = []  # id, row, prompt len, routes
         self._steps: list[tuple[dict[int, SampleId], jax.Array, jax.Array, jax.Array]] = []
 
-    def _apply_decode(self, params, tokens, positions, cache):
-        return self._routed(params, tokens, positions, cache, "decode")
+    def collect(self, positions: jax.Array, intermediates: dict) -> tuple[jax.Array, jax.Array | None]:
+        return positions, routed_experts(intermediates)
 
-    def _apply_decode_hidden(self, params, tokens, positions, cache):
-        return self._routed(params, tokens, positions, cache, "decode_hidden")
+    def prefilled(self, prompts: Sequence[Sequence[int]], collected) -> None:
+        self._prompts, (_, self._prefill_routes) = prompts, collected
 
-    def _prefill_chunk(self, t: int) -> int:
-        """Whole prompts: the routes are read back from the one traced call (the bits do not depend
-        on the chunking)."""
-        return t
-
-    def _routed(self, params, tokens, positions, cache, method: str):
-        out, state = self.model.apply(
-            {"params": params}, tokens, positions, cache, method=method, mutable=["intermediates"]
-        )
-        # read back by _with_routes within the same trace
-        self._traced = (positions, routed_experts(state["intermediates"]))
-        return out
-
-    def _with_routes(self, fn: Callable) -> Callable:
-        def call(*args):
-            out = fn(*args)
-            traced, self._traced = self._traced, None
-            return out, traced
-
-        return call
-
-    def prefill(self, params, prompts: Sequence[Sequence[int]]) -> Prefix:
-        prefix, traced = super().prefill(params, prompts)
-        self._prefilled = (prompts, traced)
-        return prefix
-
-    def insert(self, prefix: Prefix, state: DecodeState, requests: Sequence[SlotRequest], seed: int):
-        prompts, (_, routes) = self._prefilled
+    def inserted(self, requests: Sequence[SlotRequest]) -> None:
         for r in requests:
-            self._slot_sample[r.slot] = (r.prompt_index, r.sample_index)
-            self._prefill_rows.append(((r.prompt_index, r.sample_index), r.row, len(prompts[r.row]), routes))
-        return super().insert(prefix, state, requests, seed)
+            sid = (r.prompt_index, r.sample_index)
+            self._slot_sample[r.slot] = sid
+            self._prefill_rows.append((sid, r.row, len(self._prompts[r.row]), self._prefill_routes))
 
-    def generate(self, params, state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        (state, out), (positions, routes) = super().generate(params, state)
+    def generated(self, out: StepOutput, collected) -> None:
+        positions, routes = collected
         self._steps.append((dict(self._slot_sample), positions, out.valid, routes))
-        return state, out
 
     def routes(self, lengths: dict[SampleId, int]) -> dict[SampleId, np.ndarray]:
         """Per sample, [lengths[id], MoE layers, top_k]: the experts of the tokens at positions

@@ -1,51 +1,24 @@
-"""CPU path of the quantized matmuls: plain JAX over fixed blocks of rows.
-
-Why this is batch-invariant: rows are padded to a multiple of ``block_rows`` and every block runs
-the same fixed-shape program (one loop body), so a row's arithmetic never depends on how many rows
-share the call, where the row sits, or what its neighbours hold. The block loop is a real while
-loop even for one block: its trip count passes through ``lax.optimization_barrier``, because XLA
-compiles a loop it knows runs once as straight-line code and fuses it differently (measured).
-
-The reference is :func:`kernels_pallas.formats.reference_matmul` (float64 / int64 numpy).
-"""
+"""CPU path of the quantized matmuls: plain JAX over fixed blocks of rows
+(:func:`kernels_pallas._rowblocks.map_row_blocks`, whose docstring says why that keeps every row
+bitwise independent of M and of its neighbours). The reference is
+:func:`kernels_pallas.matmul.reference.reference_matmul`."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas._rowblocks import map_row_blocks
+from kernels_pallas._tiling import rows_per_block
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, quantize_activations, unpack_int4
-
-BlockFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def default_block_rows(k: int, n: int) -> int:
-    """Rows per block: a power of two in [8, 64] keeping one block of x and of y near 64K elements.
-    A function of (K, N) only, never of M."""
-    rows = 64
-    while rows > 8 and rows * max(k, n) > 1 << 16:
-        rows //= 2
-    return rows
-
-
-def row_block_map(block_fn: BlockFn, xp: jax.Array, block_rows: int, n: int, out_dtype) -> jax.Array:
-    """Run ``block_fn(block_index, x_block) -> [block_rows, n]`` over the rows of ``xp`` (already a
-    multiple of ``block_rows``), one block per iteration of a while loop with an opaque trip count."""
-    rows, k = xp.shape
-    nb = rows // block_rows
-    blocks = xp.reshape(nb, block_rows, k)
-    trips = lax.optimization_barrier(jnp.int32(nb))
-
-    def body(i, out):
-        y = block_fn(i, lax.dynamic_index_in_dim(blocks, i, keepdims=False))
-        return lax.dynamic_update_index_in_dim(out, y.astype(out_dtype), i, 0)
-
-    out = lax.fori_loop(0, trips, body, jnp.zeros((nb, block_rows, n), out_dtype))
-    return out.reshape(rows, n)
+    """Rows per block: one block of x and of y near 64K elements. A function of (K, N) only."""
+    return rows_per_block(max(k, n))
 
 
 def prepare_weight(w: QuantizedWeight, x_dtype) -> tuple[jax.Array, jax.Array | None]:
@@ -107,19 +80,14 @@ def block_matmul(
     return _scaled_sum(_group_dots(qx, wv, group_size, jnp.int32), scales) * sx
 
 
-def pad_rows(x: jax.Array, block_rows: int) -> jax.Array:
-    m = x.shape[0]
-    return jnp.pad(x, ((0, -m % block_rows), (0, 0)))
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows"))
 def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, block_rows: int | None = None) -> jax.Array:
-    """[M, K] x QuantizedWeight [K, N] -> [M, N] over fixed row blocks (inputs already validated)."""
-    m = x.shape[0]
+    """[M, K] x QuantizedWeight [K, N] -> [M, N] over fixed row blocks (inputs already checked)."""
     block_rows = block_rows or default_block_rows(w.k, w.n)
     wv, scales = prepare_weight(w, x.dtype)
 
-    def block_fn(_, xb):
-        return block_matmul(w.fmt, w.group_size, xb, wv, scales)
+    def block(xb):
+        return (block_matmul(w.fmt, w.group_size, xb, wv, scales),)
 
-    return row_block_map(block_fn, pad_rows(x, block_rows), block_rows, w.n, out_dtype)[:m]
+    out = jax.ShapeDtypeStruct((w.n,), out_dtype)
+    return map_row_blocks(block, (x,), block_rows, (out,))[0]

@@ -3,19 +3,18 @@
 Every format (see ``kernels_pallas.formats``) runs through one kernel:
 
   bf16   float dot, f32 accumulation over K tiles in ascending order.
-  w8a8   per-token int8 activations (``formats.quantize_activations``, row-wise, outside the kernel:
-         abs-max and one division per element are exact/elementwise, so no row sees another),
-         int8 x int8 -> int32 (exact, order-free), y = (acc * s_x) * s_w.
+  w8a8   per-token int8 activations (``common.operands``), int8 x int8 -> int32 (exact,
+         order-free), y = (acc * s_x) * s_w.
   w4a16  int4 unpacked in registers (two arithmetic shifts per byte, "group halves" layout), dot
          in the activation dtype with f32 accumulation, each group's partial product scaled
          inside the K loop (acc += partial * s_g), groups in ascending order.
   w4a8   the same unpacking, int8 activations, int32 partial per group.
 
-Why the rows are invariant: the tiling (``block_sizes.Blocks``: tile shape, warps, stages, split-K,
-operand order) comes from (fmt, K, N) only (``block_sizes.gpu_blocks``), rows are padded to block_m,
-each program's K loop runs in a fixed ascending order, and a split-K's partials are summed in
-ascending split order by one elementwise XLA fusion (int32 for w8a8: exact). M only changes how
-many identical programs are launched, so row r's bits do not depend on M or on its neighbours.
+Why the rows are invariant: the tiling (``Blocks``: tile shape, warps, stages, split-K, operand
+order) comes from (fmt, K, N) only (:func:`gpu_blocks`), rows are padded to block_m, each
+program's K loop runs in a fixed ascending order, and a split-K's partials are summed in ascending
+split order by one elementwise XLA fusion (int32 for w8a8: exact). M only changes how many
+identical programs are launched, so row r's bits do not depend on M or on its neighbours.
 
 Why it is fast at decode (M <= 64, bound by weight bytes): one flat K loop per program (Triton
 software-pipelines only the innermost loop; a 4-bit step covers whole groups, unrolled), and enough
@@ -34,11 +33,38 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas import block_sizes, formats
-from kernels_pallas.gpu import compiler_params
+from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, tiled
+from kernels_pallas._triton import MIN_TILE, compiler_params
+from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
+from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
+from kernels_pallas.matmul.tuned import TUNED
 
-_MIN_TILE = 16  # smallest Triton dot dimension
-_BF16_EXACT_INT = 2**24  # f32 holds every integer below this exactly
+GPU_SMS = 132  # H200 / H100 SXM multiprocessors: the decode grid should cover them
+_F32_EXACT_INT = 2**24  # f32 holds every integer below this exactly
+
+
+def base_blocks(fmt: str) -> Blocks:
+    """The format's blocks before split-K and tuning: 128-column blocks (64 for bf16); block_m = 16,
+    the smallest Triton dot tile, fixed for every M (training pays for it in re-reads of the
+    weights, which stay in L2)."""
+    check_format(fmt)
+    block_n, block_k = {4: (128, 256), 8: (128, 128), None: (64, 128)}[WEIGHT_BITS[fmt]]
+    return Blocks(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4)
+
+
+def gpu_blocks(fmt: str, k: int, n: int) -> Blocks:
+    """Triton tiles for one (fmt, K, N): the H200-tuned entry of ``tuned.TUNED`` if there is one,
+    else the base blocks with a split-K. Decode is bound by the weight bytes, so the split aims for
+    >= GPU_SMS programs at M <= 16: a fixed split of up to 4 when N / block_n alone is too few."""
+    base = base_blocks(fmt)
+    tuned = TUNED.get((fmt, k, n))
+    if tuned is not None:
+        return dataclasses.replace(base, **tuned)
+    n_blocks = -(-n // base.block_n)
+    split = 1
+    while n_blocks * split < GPU_SMS and split < 4 and k % (2 * split * base.block_k) == 0:
+        split *= 2
+    return dataclasses.replace(base, split_k=split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,39 +83,31 @@ class Tiling:
     num_stages: int
 
 
-def _is_pow2(v: int) -> bool:
-    return v >= 1 and v & (v - 1) == 0
-
-
 def _pow2_dividing(total: int, cap: int) -> int:
-    """Largest power of two <= cap that divides total (>= 1)."""
-    b = 1 << (max(cap, 1).bit_length() - 1)
-    while total % b:
-        b //= 2
-    return b
+    return pow2_divisor(total, cap) or 1
 
 
-def plan(w: formats.QuantizedWeight, blocks: block_sizes.Blocks) -> Tiling:
+def plan(w: QuantizedWeight, blocks: Blocks) -> Tiling:
     """The tiling the kernel runs for this weight: checks powers of two, fits N and K blocks, and
     lowers split_k / block_k to the largest power of two that tiles K (a function of the weight's
     shape and group size only). Raises on what cannot be tiled."""
     k, n = w.k, w.n
     for name, v in (("block_m", blocks.block_m), ("block_n", blocks.block_n), ("block_k", blocks.block_k)):
-        if v < _MIN_TILE or not _is_pow2(v):
-            raise ValueError(f"Triton needs power-of-two tiles >= {_MIN_TILE}; got {name}={v}")
-    if not _is_pow2(blocks.split_k):
+        if v < MIN_TILE or not is_pow2(v):
+            raise ValueError(f"Triton needs power-of-two tiles >= {MIN_TILE}; got {name}={v}")
+    if not is_pow2(blocks.split_k):
         raise ValueError(f"split_k must be a power of two, got {blocks.split_k}")
     if blocks.int_dot not in ("int8", "bf16"):
         raise ValueError(f"int_dot must be 'int8' or 'bf16', got {blocks.int_dot!r}")
-    block_n, n_pad = block_sizes.fit_block(n, blocks.block_n, _MIN_TILE)
-    if formats.WEIGHT_BITS[w.fmt] == 4:
+    block_n, n_pad = fit_block(n, blocks.block_n, MIN_TILE)
+    if WEIGHT_BITS[w.fmt] == 4:
         g = w.group_size
-        if g // 2 < _MIN_TILE or not _is_pow2(g):
+        if g // 2 < MIN_TILE or not is_pow2(g):
             raise ValueError(
-                f"the GPU kernel needs a power-of-two int4 group size >= {2 * _MIN_TILE}; got {g}"
+                f"the GPU kernel needs a power-of-two int4 group size >= {2 * MIN_TILE}; got {g}"
             )
-        if blocks.block_k < 2 * _MIN_TILE:
-            raise ValueError(f"4-bit steps unpack block_k // 2 packed rows: block_k >= {2 * _MIN_TILE}")
+        if blocks.block_k < 2 * MIN_TILE:
+            raise ValueError(f"4-bit steps unpack block_k // 2 packed rows: block_k >= {2 * MIN_TILE}")
         split = _pow2_dividing(k // g, blocks.split_k)
         local_groups = k // g // split
         # whole groups per step when block_k >= g, else a chunk of block_k // 2 packed rows of one group
@@ -98,10 +116,10 @@ def plan(w: formats.QuantizedWeight, blocks: block_sizes.Blocks) -> Tiling:
             block_k = g * _pow2_dividing(local_groups, block_k // g)
         k_pad = k
     else:
-        block_k, k_pad = block_sizes.fit_block(k, blocks.block_k, 2 * _MIN_TILE)
+        block_k, k_pad = fit_block(k, blocks.block_k, 2 * MIN_TILE)
         split = _pow2_dividing(k_pad // block_k, blocks.split_k)
     int_dot = blocks.int_dot
-    if w.fmt == "w8a8" and block_k * 127 * 127 >= _BF16_EXACT_INT:
+    if w.fmt == "w8a8" and block_k * 127 * 127 >= _F32_EXACT_INT:
         int_dot = "int8"  # a bf16 MMA would no longer be exact
     return Tiling(
         blocks.block_m, block_n, n_pad, block_k, k_pad, split, blocks.swap_ab, int_dot,
@@ -109,31 +127,20 @@ def plan(w: formats.QuantizedWeight, blocks: block_sizes.Blocks) -> Tiling:
     )  # fmt: skip
 
 
-def configure(w: formats.QuantizedWeight, **overrides) -> Tiling:
-    """``block_sizes.gpu_blocks(fmt, K, N)`` with the caller's non-None overrides, planned."""
-    blocks = block_sizes.gpu_blocks(w.fmt, w.k, w.n)
-    blocks = dataclasses.replace(blocks, **{k: v for k, v in overrides.items() if v is not None})
-    return plan(w, blocks)
+def configure(w: QuantizedWeight, **overrides) -> Tiling:
+    """:func:`gpu_blocks` with the caller's non-None overrides, planned."""
+    return plan(w, gpu_blocks(w.fmt, w.k, w.n).override(**overrides))
 
 
-def compute_dtype(x_dtype, w: formats.QuantizedWeight):
-    """The dtype both dot operands are cast to."""
-    if formats.ACT_BITS[w.fmt] == 8:
-        return jnp.int8
-    if formats.WEIGHT_BITS[w.fmt] is None:
-        return jnp.promote_types(x_dtype, w.values.dtype)
-    return jnp.dtype(x_dtype)
-
-
-def _dot(a: jax.Array, b: jax.Array, acc_dtype, swap: bool, int_dot: str) -> jax.Array:
+def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype, swap: bool, int_dot: str) -> jax.Array:
     """a [bm, kk] @ b [kk, bn] -> [bm, bn], or its transpose [bn, bm] when ``swap`` (b^T a^T: the
     weight tile becomes the MMA's M side). int8 operands with ``int_dot == "bf16"`` go through a
     bf16 MMA (integers exact in bf16, partial exact in f32) and come back as int32."""
-    if acc_dtype == jnp.int32 and int_dot == "bf16":
+    if acc == jnp.int32 and int_dot == "bf16":
         return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), jnp.float32, swap, "").astype(jnp.int32)
     dims = (((0,), (1,)), ((), ())) if swap else (((1,), (0,)), ((), ()))
     lhs, rhs = (b, a) if swap else (a, b)
-    return lax.dot_general(lhs, rhs, dims, preferred_element_type=acc_dtype, precision=lax.Precision.HIGHEST)
+    return lax.dot_general(lhs, rhs, dims, preferred_element_type=acc, precision=lax.Precision.HIGHEST)
 
 
 def accumulate(
@@ -153,10 +160,10 @@ def accumulate(
     4-bit) or int32 (w8a8) [block_m, block_n]."""
     bm, bn, bk, swap = tiling.block_m, tiling.block_n, tiling.block_k, tiling.swap_ab
     acc_shape = (bn, bm) if swap else (bm, bn)
-    part_dtype = jnp.int32 if formats.ACT_BITS[fmt] == 8 else jnp.float32
-    dot = functools.partial(_dot, acc_dtype=part_dtype, swap=swap, int_dot=tiling.int_dot)
+    part_dtype = jnp.int32 if ACT_BITS[fmt] == 8 else jnp.float32
+    dot = functools.partial(_dot, acc=part_dtype, swap=swap, int_dot=tiling.int_dot)
 
-    if formats.WEIGHT_BITS[fmt] != 4:
+    if WEIGHT_BITS[fmt] != 4:
 
         def body(i, acc):
             xs = load_x(i * bk, bk).astype(cdt)
@@ -205,23 +212,11 @@ def accumulate(
     return acc.T if swap else acc
 
 
-def finish(acc: jax.Array, fmt: str, s_w: jax.Array | None, s_x: jax.Array | None) -> jax.Array:
-    """Apply the scales that sit outside the K loop: w8a8 (acc * s_x) * s_w, w4a8 acc * s_x."""
-    if fmt == "w8a8":
-        return (acc.astype(jnp.float32) * s_x) * s_w
-    if fmt == "w4a8":
-        return acc * s_x
-    return acc
-
-
 def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused: bool):
     """One (row block, column block, K split) program; ``fused``: no split, apply the scales here."""
-    in_scales = formats.WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused)
-    in_sx = formats.ACT_BITS[fmt] == 8 and fused
-    x_ref, w_ref, *rest = refs
-    s_ref = rest.pop(0) if in_scales else None
-    sx_ref = rest.pop(0) if in_sx else None
-    (o_ref,) = rest
+    in_scales = WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused)
+    in_sx = ACT_BITS[fmt] == 8 and fused
+    x_ref, w_ref, s_ref, sx_ref, (o_ref,) = kernel_refs(refs, in_scales, in_sx)
     acc = accumulate(
         lambda c, n: x_ref[:, pl.ds(c, n)],
         lambda r, n: w_ref[pl.ds(r, n), :],
@@ -238,76 +233,34 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def prepare_x(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array | None]:
-    """Activations as the kernel reads them: per-token int8 plus f32 scales for the a8 formats."""
-    if formats.ACT_BITS[fmt] == 8:
-        return formats.quantize_activations(x)
-    return x, None
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps", "num_stages",
-        "split_k", "swap_ab", "int_dot",
-    ),
-)  # fmt: skip
-def matmul(
-    x: jax.Array,
-    w: formats.QuantizedWeight,
-    *,
-    out_dtype=None,
-    interpret: bool = False,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    split_k: int | None = None,
-    swap_ab: bool | None = None,
-    int_dot: str | None = None,
-) -> jax.Array:
-    """``x [M, K] @ w [K, N] -> [M, N]`` in ``w.fmt``, rows bitwise independent of M.
-
-    Tiling defaults to ``block_sizes.gpu_blocks(fmt, K, N)``; pass the same overrides for every M or
-    the invariance is lost. ``interpret=True`` runs the kernel in Pallas' interpreter (CPU)."""
-    block_sizes.check_operands(x, w)
+@tiled(configure)
+def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tiling: Tiling) -> jax.Array:
+    """``x [M, K] @ w [K, N] -> [M, N]`` in ``w.fmt`` (operands already checked), rows bitwise
+    independent of M. Tiling: :func:`gpu_blocks` with the caller's knobs (``Blocks`` fields); pass
+    the same knobs for every M or the invariance is lost."""
+    t = tiling
     fmt = w.fmt
-    t = configure(
-        w, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-        num_stages=num_stages, split_k=split_k, swap_ab=swap_ab, int_dot=int_dot,
-    )  # fmt: skip
     bm, bn, split = t.block_m, t.block_n, t.split_k
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
     m = x.shape[0]
-    m_pad = block_sizes.round_up(max(m, 1), bm)
-    four_bit = formats.WEIGHT_BITS[fmt] == 4
     fused = split == 1
-
-    xk, sx = prepare_x(x, fmt)
-    xk = block_sizes.pad_axis(block_sizes.pad_axis(xk, 0, m_pad), 1, t.k_pad)
-    wv = block_sizes.pad_axis(w.values, 0, w.values.shape[0] if four_bit else t.k_pad)
-    wv = block_sizes.pad_axis(wv, 1, t.n_pad)
+    ops = operands(x, w, block_m=bm, k_pad=t.k_pad, n_pad=t.n_pad)
     k_local = t.k_pad // split
-    args = [xk, wv]
+    args = [ops.x, ops.w]
     in_specs = [
         pl.BlockSpec((bm, k_local), lambda i, j, s: (i, s)),
-        pl.BlockSpec((wv.shape[0] // split, bn), lambda i, j, s: (s, j)),
+        pl.BlockSpec((ops.w.shape[0] // split, bn), lambda i, j, s: (s, j)),
     ]
-    scales = None if w.scales is None else block_sizes.pad_axis(w.scales, 1, t.n_pad)
-    if four_bit or (fmt == "w8a8" and fused):
-        args.append(scales)
-        in_specs.append(pl.BlockSpec((scales.shape[0] // split, bn), lambda i, j, s: (s, j)))
-    if sx is not None and fused:
-        args.append(block_sizes.pad_axis(sx, 0, m_pad))
+    if WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused):
+        args.append(ops.scales)
+        in_specs.append(pl.BlockSpec((ops.scales.shape[0] // split, bn), lambda i, j, s: (s, j)))
+    if ops.sx is not None and fused:
+        args.append(ops.sx)
         in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
-
-    part_dtype = jnp.int32 if fmt == "w8a8" else jnp.float32  # what accumulate returns
     if fused:
-        out_shape = jax.ShapeDtypeStruct((m_pad, t.n_pad), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((ops.m_pad, t.n_pad), out_dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((split, m_pad, t.n_pad), part_dtype)
+        out_shape = jax.ShapeDtypeStruct((split, ops.m_pad, t.n_pad), acc_dtype(fmt))
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(
         _kernel, fmt=fmt, k=k_local, group_size=w.group_size, tiling=t,
@@ -316,7 +269,7 @@ def matmul(
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(m_pad // bm, t.n_pad // bn, split),
+        grid=(ops.m_pad // bm, t.n_pad // bn, split),
         in_specs=in_specs,
         out_specs=out_spec,
         interpret=interpret,
@@ -325,7 +278,8 @@ def matmul(
     )(*args)
     if fused:
         return out[:m, : w.n]
-    return combine_splits(out[:, :m, : w.n], fmt, scales, sx, out_dtype, w.n)
+    sx = None if ops.sx is None else ops.sx[:m]
+    return combine_splits(out[:, :m, : w.n], fmt, ops.scales, sx, out_dtype, w.n)
 
 
 def combine_splits(parts, fmt: str, scales, sx, out_dtype, n: int) -> jax.Array:

@@ -27,11 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import block_sizes
-from kernels_pallas.attention import MASK
-from kernels_pallas.tpu import PARALLEL, compiler_params, interpret_params
+from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, interpret_mode
+from kernels_pallas._tiling import pad_axis, round_up
+from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
 
-_SUBLANES, _LANES = 8, 128
 _ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -54,7 +53,7 @@ def _window(ref, off: jax.Array, rows: int) -> jax.Array:
 
 def _lane_window(ref, off: jax.Array, width: int, lanes: int) -> jax.Array:
     """``ref[:, off : off + width]`` of a one-row int32 ref, by an aligned load and a lane rotation."""
-    base = pl.multiple_of(lax.div(off, _LANES) * _LANES, _LANES)
+    base = pl.multiple_of(lax.div(off, LANES) * LANES, LANES)
     x = ref[:, pl.ds(base, lanes)]
     return pltpu.roll(x, _shift(off - base, lanes), 1)[:, :width]
 
@@ -64,10 +63,9 @@ def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, b
     pos, start, seg = pos_ref[i], st_ref[i], seg_ref[i]
     q = q_ref[...].astype(jnp.float32)
     gp = q.shape[0]
-    lanes = _LANES + block_sizes.round_up(block_kv, _LANES)
+    lanes = LANES + round_up(block_kv, LANES)
 
     def step(j, carry):
-        m, denom, acc = carry
         off = start + j * block_kv
         kb = _window(k_ref, off, block_kv)
         vb = _window(v_ref, off, block_kv)
@@ -77,13 +75,12 @@ def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, b
         sc = lax.dot_general(
             q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_HIGHEST
         )
-        sc = jnp.where(valid, sc * scale, MASK)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(sc - m_new), 0.0)
-        pc = p.astype(v_ref.dtype).astype(jnp.float32)  # the probabilities in V's dtype, as on CPU/GPU
-        pv = jnp.dot(pc, vb, preferred_element_type=jnp.float32, precision=_HIGHEST)
-        return m_new, denom * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + pv
+
+        def pv(p):  # the probabilities in V's dtype, as on CPU/GPU
+            pc = p.astype(v_ref.dtype).astype(jnp.float32)
+            return jnp.dot(pc, vb, preferred_element_type=jnp.float32, precision=_HIGHEST)
+
+        return online_softmax_step(carry, sc, valid, scale, pv, keepdims=True)
 
     init = (
         jnp.full((gp, 1), MASK, jnp.float32),
@@ -91,59 +88,43 @@ def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, b
         jnp.zeros(q.shape, jnp.float32),
     )
     _, denom, acc = lax.fori_loop(0, lax.div(pos, block_kv) + 1, step, init)
-    o_ref[...] = (acc / jnp.where(denom == 0, 1.0, denom)).astype(o_ref.dtype)
+    o_ref[...] = normalise(acc, denom, keepdims=True).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "interpret"))
 def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    starts: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    *,
-    block_kv: int,
-    interpret: bool = False,
+    q, k, v, positions, starts, segment_ids, kv_segment_ids, *, block_kv, interpret=False
 ) -> jax.Array:
     """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`)."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
-    if block_kv < 1 or block_kv % _SUBLANES:
+    if block_kv < 1 or block_kv % SUBLANES:
         raise ValueError(f"the TPU attention kernel needs block_kv a multiple of 8, got {block_kv}")
-    gp, dp = block_sizes.round_up(g, _SUBLANES), block_sizes.round_up(d, _LANES)
+    gp, dp = round_up(g, SUBLANES), round_up(d, LANES)
     # room for the last window of any token whose own key is in range (starts + positions < S)
-    s_pad = block_sizes.round_up(s, _LANES) + _LANES + block_sizes.round_up(block_kv, _LANES)
-    qg = block_sizes.pad_axis(block_sizes.pad_axis(q.reshape(b, t, kvh, g, d), 3, gp), 4, dp)
+    s_pad = round_up(s, LANES) + LANES + round_up(block_kv, LANES)
+    qg = pad_axis(pad_axis(q.reshape(b, t, kvh, g, d), 3, gp), 4, dp)
 
     def keys(a):  # [B, S, KV, D] -> [B, KV, S_pad, D_pad]
-        return block_sizes.pad_axis(block_sizes.pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)
+        return pad_axis(pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)
 
-    kseg = jnp.zeros((b, s), jnp.int32) if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
-    kseg = jnp.pad(kseg, ((0, 0), (0, s_pad - s)), constant_values=-1)[:, None, :]
-    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    st = jnp.zeros((b, t), jnp.int32) if starts is None else starts.astype(jnp.int32)
-    scalars = (positions.astype(jnp.int32).reshape(-1), st.reshape(-1), seg.reshape(-1))
+    pos, st, seg, kseg = token_ids(positions, starts, segment_ids, kv_segment_ids, s, s_pad)
+    scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1))
     kv_spec = pl.BlockSpec((None, None, s_pad, dp), lambda i, n, j, *_: (i, n, 0, 0))
     tok_spec = pl.BlockSpec((None, None, None, gp, dp), lambda i, n, j, *_: (i, j, n, 0, 0))
+    kseg_spec = pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0))
     out = pl.pallas_call(
         functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5, s=s, t=t),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(b, kvh, t),
-            in_specs=[
-                tok_spec,
-                kv_spec,
-                kv_spec,
-                pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0)),
-            ],
+            in_specs=[tok_spec, kv_spec, kv_spec, kseg_spec],
             out_specs=tok_spec,
         ),
-        interpret=interpret_params() if interpret else False,
+        interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL),
         name="qarl_attention_tpu",
-    )(*scalars, qg, keys(k), keys(v), kseg)
+    )(*scalars, qg, keys(k), keys(v), kseg[:, None, :])
     return out[:, :, :, :g, :d].reshape(b, t, h, d)

@@ -1,11 +1,15 @@
-"""The CPU path's one loop shape: independent rows, processed in fixed blocks of rows.
+"""The CPU path's one loop: independent rows, processed in fixed blocks of rows.
 
 Why this keeps rows bitwise independent of M: every block runs the same fixed-shape program, so a
-row's arithmetic never depends on how many rows share the call or what its neighbours hold. The
-trip count passes through ``lax.optimization_barrier`` so that a single block is still a real loop
-(XLA compiles a loop it knows runs once as straight-line code and fuses it differently), and the
-inputs and outputs carry one spare block: a dynamic slice or update of a one-block array is the
-whole array, which XLA simplifies into another fusion (measured: RoPE's bits changed).
+row's arithmetic never depends on how many rows share the call or what its neighbours hold. Three
+details make XLA:CPU keep that program whatever surrounds the call:
+
+- the inputs pass through ``lax.optimization_barrier``, like a kernel boundary: no producer is
+  fused into the loop body (it would be fused differently in different programs);
+- the trip count passes through the barrier too, so a single block is still a real loop (XLA
+  compiles a loop it knows runs once as straight-line code and fuses it differently);
+- the inputs and outputs carry one spare block: a dynamic slice or update of a one-block array is
+  the whole array, which XLA simplifies into another fusion (measured: RoPE's bits changed).
 """
 
 from __future__ import annotations
@@ -15,15 +19,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-
-def pow2_rows(row_size: int, budget: int = 1 << 16, lo: int = 8, hi: int = 64) -> int:
-    """Rows per block: a power of two in [lo, hi] keeping a block near ``budget`` elements. A
-    function of the row size only, never of the number of rows."""
-    rows = hi
-    while rows > lo and rows * row_size > budget:
-        rows //= 2
-    return rows
 
 
 def map_row_blocks(
@@ -37,7 +32,7 @@ def map_row_blocks(
     returns the outputs [M, ...] (padding rows dropped)."""
     m = inputs[0].shape[0]
     nb = max(-(-m // block_rows), 1)
-    inputs = lax.optimization_barrier(tuple(inputs))  # like a kernel boundary: no producer fused in
+    inputs = lax.optimization_barrier(tuple(inputs))
 
     def blocked(a):
         a = jnp.pad(a, [(0, (nb + 1) * block_rows - m)] + [(0, 0)] * (a.ndim - 1))

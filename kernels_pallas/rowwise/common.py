@@ -1,0 +1,38 @@
+"""Pieces of the row-wise programs that the CPU, GPU and TPU paths share, so that they compute
+the same thing in the same order."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BLOCK_ROWS = 16  # rows per program of the Pallas kernels (a bf16 sublane tile on TPU)
+
+
+def rms_rows(x: jax.Array, weight: jax.Array, eps: float, d: int, dtype) -> jax.Array:
+    """RMSNorm of rows zero-padded past width ``d`` (the mean divides by the true width)."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / d + eps)
+    return weight.astype(dtype) * y.astype(dtype)
+
+
+def inv_freq(theta: float, d: int) -> np.ndarray:
+    """RoPE's D/2 inverse frequencies, in f32 as the reference computes them."""
+    return 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+
+
+def lse_step(m: jax.Array, s: jax.Array, z: jax.Array, keepdims: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One vocabulary chunk ``z`` [rows, chunk] into the running (max, sum of exp) of each row."""
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1, keepdims=keepdims))
+    shift = m_new if keepdims else m_new[..., None]
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - shift), axis=-1, keepdims=keepdims)
+
+
+def scale_rows(x: jax.Array, inv: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """x [M, V] * inv [M] on an accelerator: XLA's multiply (the kernels reading the product are
+    opaque custom calls; the CPU path materialises it in row blocks instead). ``interpret``
+    changes nothing: there is no Pallas kernel to interpret."""
+    del interpret
+    return x * inv[:, None]

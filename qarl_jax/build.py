@@ -1,0 +1,109 @@
+"""Builders of a run's parts from its config: the policy and its weights, the tokenizer, the rollout
+engine and the held-out prompts.
+
+The training loop (:mod:`qarl_jax.train`), the alignment check and the SFT script build the same
+parts the same way; they live here, apart from the loop, so a tool that only needs a policy does not
+import the loop's logging and checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+
+from qarl_jax import sharding
+from qarl_jax.config import Config
+from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
+from qarl_jax.errors import CheckpointError, ConfigError, DataError
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, load_tokenizer, preset
+from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.rollout import EngineConfig, RolloutEngine
+
+EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
+PACKAGE_DIR = pathlib.Path(__file__).parent
+
+
+def model_dir(path: str) -> pathlib.Path:
+    """``package:REL`` names a directory shipped in the package (the default policy); others as is."""
+    return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
+
+
+def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
+    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
+    m = config.model
+    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+    if m.path is None:
+        depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
+        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
+        model = Qwen3ForCausalLM(cfg, config.quant)
+        return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
+    path = model_dir(m.path)
+    cfg = hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
+    model = Qwen3ForCausalLM(cfg, config.quant)
+    shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
+    _, params, _ = from_pretrained(
+        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
+    )
+    return model, params
+
+
+def check_model_files(config: Config) -> None:
+    """Fail before any work on a ``model.path`` that is not a model this package can load: no such
+    directory, no config.json, an architecture it does not run."""
+    if config.model.path is None:
+        return
+    path = model_dir(config.model.path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path {config.model.path}: no such directory ({path.absolute()})")
+    hf_config(path)
+
+
+def build_tokenizer(config: Config):
+    """The checkpoint's tokenizer.json, or the arithmetic character tokenizer for presets."""
+    if config.model.path is None:
+        return build_arithmetic_tokenizer()
+    tokenizer = load_tokenizer(model_dir(config.model.path))
+    if tokenizer is None:
+        raise CheckpointError(f"{config.model.path}: no tokenizer.json (the loop needs one to grade)")
+    return tokenizer
+
+
+def eos_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of Qwen3's end tokens that ``tokenizer`` has."""
+    return tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
+
+
+def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh) -> RolloutEngine:
+    """The rollout engine over frozen weights, with the run's slots, cache length and stop tokens."""
+    r = config.rollout
+    engine_cfg = EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=eos_ids(tokenizer))
+    return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=config.mesh.rules)
+
+
+def training_data(data: DataConfig) -> DataConfig:
+    """The data the loop trains on: a JSONL file without ``eval_path`` gives up the held-out side
+    of its content-hash split (:func:`eval_set` evaluates on it)."""
+    if data.source == "jsonl" and data.eval_path is None and data.hash_split is None:
+        return dataclasses.replace(data, hash_split="train")
+    return data
+
+
+def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
+    """The held-out prompts, in order, never rows the loop trains on: the test split of synthetic
+    and TFDS sources; for JSONL the file ``data.eval_path``, else the held-out side of the
+    content-hash split of ``data.path``."""
+    held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False)
+    if data.source in ("synthetic", "tfds"):
+        held_out = dataclasses.replace(held_out, split="test")
+    elif data.eval_path is not None:
+        held_out = dataclasses.replace(held_out, path=data.eval_path, hash_split=None)
+    else:
+        held_out = dataclasses.replace(held_out, hash_split="test")
+    try:
+        return next(build_pipeline(held_out, tokenizer))
+    except DataError as e:
+        if data.source != "jsonl" or data.eval_path is not None:
+            raise
+        raise DataError(f"held-out rows: {e}; give a held-out file as data.eval_path") from e

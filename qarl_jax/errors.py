@@ -1,0 +1,91 @@
+"""The project's one error hierarchy.
+
+Every error a user can cause (a bad key, a missing file, a damaged checkpoint, a busy run directory)
+is a :class:`QarlError` whose message is one line naming the key, file or value at fault, so the
+command-line entry points can print it without a traceback and exit non-zero, and library callers
+can catch one base class. The subclasses also derive from the built-in exception the same failure
+raised before there was a hierarchy (``ValueError`` for bad input, ``RuntimeError`` for a failed
+environment), so existing ``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class QarlError(Exception):
+    """Base of every error this package raises on purpose; the message is a one-line explanation."""
+
+    exit_code = 1  # what a command-line entry point exits with
+
+
+class ConfigError(QarlError, ValueError):
+    """A configuration value or key that cannot be used; the message names the key."""
+
+    exit_code = 2
+
+
+class CheckpointError(QarlError, ValueError):
+    """A model directory or run checkpoint that cannot be loaded, resumed from or trusted; the
+    message names the directory (and the file or array) and says why."""
+
+    exit_code = 3
+
+
+class DataError(QarlError, ValueError):
+    """Prompt data that cannot be used: a missing file, too few valid rows; names the file."""
+
+    exit_code = 4
+
+
+class MalformedRowError(DataError):
+    """A row (or prompt) rejected under ``bad_rows="error"``; the message names its origin."""
+
+
+class RunDirError(QarlError, RuntimeError):
+    """A run directory that this run may not write: held by another run, or an old run that would
+    be replaced without ``run.overwrite=true``."""
+
+    exit_code = 5
+
+
+class GraderError(QarlError, ValueError):
+    """A grader that returned something other than a score in [0, 1]; names the grader."""
+
+    exit_code = 6
+
+
+class DistributedError(QarlError, RuntimeError):
+    """Multi-host settings that cannot start ``jax.distributed``."""
+
+    exit_code = 2
+
+
+class RunLogError(QarlError, ValueError):
+    """A run directory or one of its files cannot be read."""
+
+
+class PlanError(QarlError, ValueError):
+    """A memory plan that cannot be made: a dimension that does not divide, an unknown shape."""
+
+    exit_code = 2
+
+
+class ServeError(QarlError, RuntimeError):
+    """The server cannot start: a port already bound, a checkpoint it cannot serve."""
+
+    exit_code = 2
+
+
+class Interrupted(QarlError):
+    """The run was stopped (Ctrl-C); the message says which checkpoint a rerun resumes from."""
+
+    exit_code = 130
+
+
+def one_line(error: QarlError) -> str:
+    """How an entry point prints ``error``: its kind from the class name, then the message
+    (``CheckpointError`` -> "checkpoint error: ..."), on one line."""
+    kind = " ".join(w.lower() for w in re.findall(r"[A-Z][a-z]*", type(error).__name__))
+    message = " ".join(str(error).split("\n"))
+    return f"{kind}: {message}" if kind != "interrupted" else f"qarl: {message}"

@@ -1,0 +1,89 @@
+"""``python -m qarl_jax.tools.verify_checkpoint DIR``: is a run's checkpoint intact?
+
+``DIR`` is a run directory, its ``checkpoints`` directory (every step is checked) or one step
+(``RUN/checkpoints/23``). Each step's arrays are read back onto this host's first device, their
+fingerprints recomputed and compared with those saved beside them (:mod:`qarl_jax.checkpoint`),
+and the data state's digest checked. Prints one line per step; exits 1 when any is damaged (naming
+the array or file), 2 when ``DIR`` holds no checkpoint. Nothing is written or moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+
+from qarl_jax.checkpoint import (
+    DamagedCheckpoint,
+    compare,
+    data_digest,
+    fingerprints,
+    first_line,
+    read_failure,
+)
+from qarl_jax.errors import CheckpointError
+
+
+def _steps(path: pathlib.Path) -> tuple[pathlib.Path, list[int]]:
+    if path.name.isdigit() and (path / "meta").is_dir():  # one step
+        return path.parent, [int(path.name)]
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True)
+    return directory, steps
+
+
+def verify_step(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> None:
+    """Raise :class:`CheckpointError` unless step ``step`` reads back as it was saved."""
+    where = directory / str(step)
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:
+        raise DamagedCheckpoint(f"{where}/meta: cannot read the metadata ({first_line(e)})") from e
+    if not isinstance(meta, dict) or "arrays" not in meta:
+        raise CheckpointError(f"{where}/meta: no fingerprints (not a run checkpoint of this version)")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(where / "state").tree
+    except Exception as e:
+        raise DamagedCheckpoint(f"{where}/state: cannot read the arrays' metadata ({first_line(e)})") from e
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+    try:
+        restored = manager.restore(step, args=args)
+    except Exception as e:
+        raise read_failure(e, where) from e
+    compare(meta["arrays"], fingerprints(restored.state), where)
+    if data_digest(restored.data) != meta.get("data_sha256"):
+        raise DamagedCheckpoint(f"{where}/data: the data-iterator state differs from what was saved")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qarl_jax.tools.verify_checkpoint", description=__doc__)
+    parser.add_argument("dir", type=pathlib.Path, help="a run directory, its checkpoints/ or one step")
+    args = parser.parse_args(argv)
+    if not args.dir.is_dir():
+        print(f"checkpoint error: {args.dir}: no such directory", file=sys.stderr)
+        return 2
+    directory, steps = _steps(args.dir)
+    if not steps:
+        print(f"checkpoint error: {args.dir}: no checkpoint steps", file=sys.stderr)
+        return 2
+    manager = ocp.CheckpointManager(directory.absolute(), item_names=("state", "data", "meta"))
+    damaged = 0
+    for step in steps:
+        try:
+            verify_step(manager, directory.absolute(), step)
+        except CheckpointError as e:
+            damaged += 1
+            print(f"DAMAGED {e}")
+        else:
+            print(f"ok      {directory / str(step)}")
+    manager.close()
+    return 1 if damaged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

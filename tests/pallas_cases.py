@@ -1,0 +1,70 @@
+"""Shared set-up of the GPU and TPU kernel tests (run without either device: lowering for the
+platform, and the kernels in Pallas' interpreter through the public API)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels_pallas as kp
+from kernels_pallas import formats
+from kernels_pallas.matmul.reference import reference_matmul
+
+# backend -> (lowering platform, the custom call its kernels lower to)
+PLATFORM = {"gpu": ("cuda", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
+
+
+def lowered_text(backend: str, fn, *args) -> str:
+    """``fn(*args)`` jitted and lowered for ``backend``'s platform, as text."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(PLATFORM[backend][0],)).as_text()
+
+
+def lowers(backend: str, fn, *args) -> bool:
+    """Whether ``fn(*args)`` lowers to the backend's Pallas custom call."""
+    return PLATFORM[backend][1] in lowered_text(backend, fn, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCases:
+    """Random operands of one shape, and the backend's matmul kernels in the interpreter."""
+
+    backend: str
+    k: int
+    n: int
+    group: int  # int4 group size
+    blocks: dict
+
+    def weight(self, fmt: str, shape=None, seed: int = 1, dtype=jnp.float32) -> formats.QuantizedWeight:
+        w = jax.random.normal(jax.random.key(seed), shape or (self.k, self.n), jnp.float32) * 0.1
+        group = self.group if formats.WEIGHT_BITS[fmt] == 4 else None
+        return formats.quantize(w.astype(dtype) if fmt == "bf16" else w, fmt, group)
+
+    def acts(self, m: int, seed: int = 0, dtype=jnp.float32, k: int | None = None) -> jax.Array:
+        return jax.random.normal(jax.random.key(seed), (m, k or self.k), dtype)
+
+    def matmul(self, x, w, **kw):
+        """The backend's kernel, interpreted, with the test tiling (``kw`` overrides it)."""
+        kw = {"backend": self.backend, "interpret": True, **self.blocks, **kw}
+        return kp.quantized_matmul(x, w, **kw)
+
+    def run(self, x, w, **kw) -> np.ndarray:
+        return np.asarray(self.matmul(x, w, out_dtype=jnp.float32, **kw))
+
+    def grouped(self, x, w, sizes, **kw):
+        kw = {"backend": self.backend, "interpret": True, **self.blocks, **kw}
+        return kp.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), **kw)
+
+    def lowers(self, fn, *args) -> bool:
+        """``fn(x, w, ...)`` lowered with the backend's (compiled, not interpreted) kernels."""
+        return lowers(self.backend, fn, *args)
+
+    def assert_bf16_in_bf16_out(self) -> None:
+        """bf16 activations give a bf16 output by default, near the float64 reference."""
+        x, w = self.acts(3, dtype=jnp.bfloat16), self.weight("w4a16")
+        y = self.matmul(x, w)
+        assert y.dtype == jnp.bfloat16 and y.shape == (3, self.n)
+        ref = reference_matmul(np.asarray(x.astype(jnp.float32)), w)
+        np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)

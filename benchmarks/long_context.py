@@ -93,11 +93,13 @@ def decode_step_ms(cache_len: int, fills: list[int], slots: int = 8, repeats: in
     for fill in fills:
         times = []
         for _ in range(repeats + 1):
+            state = engine.init_decode_state()
+            budget = jnp.full((slots,), cache_len, jnp.int32)
             state = dataclasses.replace(
-                engine.init_decode_state(),
+                state,
                 positions=jnp.full((slots,), fill, jnp.int32),
-                max_new=jnp.full((slots,), cache_len, jnp.int32),
                 done=jnp.zeros((slots,), bool),
+                settings=dataclasses.replace(state.settings, max_new=budget),
             )
             jax.block_until_ready(state)
             start = time.perf_counter()
@@ -126,7 +128,9 @@ def rl_step(response_tokens: int, prompts: int = 2, samples: int = 2) -> dict:
     prompt_ids = [rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(prompts)]
     length = 16 + response_tokens
     engine = RolloutEngine(model, frozen, EngineConfig(slots=prompts * samples, max_len=length))
-    groups = rollout(engine, prompt_ids, samples, response_tokens, SamplingParams(1.0), ignore_eos=True)
+    groups = rollout(
+        engine, prompt_ids, samples, response_tokens, SamplingParams(1.0), ignore_eos=True, progress=False
+    )
     flat = [s for group in groups for s in group]
     assert all(len(s.tokens) == response_tokens for s in flat)
     batch = training_batch(

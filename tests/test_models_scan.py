@@ -176,3 +176,15 @@ def test_orbax_round_trip_of_a_stacked_state(tmp_path):
     restored = Checkpointer(tmp_path, keep=1, config={"model": {"scan_layers": True}}).restore(like)
     assert restored.step == 5
     jax.tree.map(np.testing.assert_array_equal, restored.state.params, stacked)
+
+
+def test_scanned_bf16_compute_with_f32_params_traces():
+    """The scan's carry keeps the compute dtype (plain XLA matmuls on f32 params would promote it)."""
+    config = preset("qwen3-moe-tiny", scan_layers=True, dtype="bfloat16")
+    for spec in (None, QuantSpec("w4a16")):
+        model = Qwen3ForCausalLM(config, spec)
+        params = jax.eval_shape(lambda m=model: init_params(m, jax.random.key(0)))
+        hidden = jax.eval_shape(
+            lambda p, m=model: m.apply({"params": p}, jnp.zeros((1, 8), jnp.int32), method="hidden"), params
+        )
+        assert hidden.dtype == jnp.bfloat16

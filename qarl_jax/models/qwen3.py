@@ -249,6 +249,8 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="post_attention_layernorm")(x)
         ffn = MoE if c.is_moe_layer(self.layer) else MLP
         x = x + ffn(c, self.quant, name="mlp")(h)
+        if c.scan_layers:  # a scan's carry keeps its type (plain XLA matmuls promote to the params')
+            x = x.astype(carry[0].dtype)
         if layer_cache is not None:
             layer_cache = (*layer_cache[:2], layer_cache[2] + 1)
         return (nn.with_logical_constraint(x, ("batch", "length", "act_embed")), layer_cache), None

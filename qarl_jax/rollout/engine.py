@@ -239,21 +239,26 @@ class RolloutEngine:
     def init_decode_state(self) -> DecodeState:
         """A fresh state on the engine's mesh (not the caller's): zeroed cache (compute dtype),
         every slot empty."""
-        c, s = self.config, self.config.slots
         with self.context():
-            cache = KVCache.init(self.model.config, s, c.max_len)
+            state = self.empty_state()
             if self.mesh is not None:
-                cache = jax.device_put(cache, self._cache_sharding(cache.k.shape))
-            zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
-            return DecodeState(
-                cache=cache,
-                tokens=zeros(),
-                positions=zeros(),
-                keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
-                generated=zeros(),
-                done=jnp.ones((s,), bool),
-                settings=SlotSettings.empty(s),
-            )
+                cache = jax.device_put(state.cache, self._cache_sharding(state.cache.k.shape))
+                state = dataclasses.replace(state, cache=cache)
+            return state
+
+    def empty_state(self) -> DecodeState:
+        """The decode state's values before placement (``jax.eval_shape`` of it: its structure)."""
+        c, s = self.config, self.config.slots
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
+        return DecodeState(
+            cache=KVCache.init(self.model.config, s, c.max_len),
+            tokens=zeros(),
+            positions=zeros(),
+            keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
+            generated=zeros(),
+            done=jnp.ones((s,), bool),
+            settings=SlotSettings.empty(s),
+        )
 
     def allocate(self) -> DecodeState:
         """(Re)allocate ``self.state`` if it was released."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
-from qarl_jax.models import KVCache, Qwen3ForCausalLM
+from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.train_step import ObjectiveConfig, OptimizerConfig, TrainConfig, Trainer, TrainState
@@ -163,30 +163,12 @@ def engine_programs(
 
 def _abstract_state(engine: RolloutEngine, mesh: Mesh | None) -> DecodeState:
     """The engine's DecodeState as structs: the cache sharded as the engine places it, the rest
-    replicated."""
-    c = engine.config
-    shape = (engine.model.config.num_hidden_layers, c.slots, c.max_len)
-    shape += (engine.model.config.num_key_value_heads, engine.model.config.head_dim)
-    dtype = jnp.dtype(engine.model.config.dtype)
-    kv_sharding = None if mesh is None else engine._cache_sharding(shape)
-    kv = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_sharding)
-    rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    s = c.slots
-
-    def vec(dtype, *tail):
-        return jax.ShapeDtypeStruct((s, *tail), dtype, sharding=rep)
-
-    key_shape = jax.random.key_data(jax.random.key(0)).shape
-    return DecodeState(
-        cache=KVCache(k=kv, v=kv),
-        tokens=vec(jnp.int32),
-        positions=vec(jnp.int32),
-        keys=vec(jnp.uint32, *key_shape),
-        generated=vec(jnp.int32),
-        max_new=vec(jnp.int32),
-        stop_on_eos=vec(jnp.bool_),
-        done=vec(jnp.bool_),
-        temperature=vec(jnp.float32),
-        top_p=vec(jnp.float32),
-        top_k=vec(jnp.int32),
-    )
+    (per-slot vectors) replicated."""
+    state = jax.eval_shape(engine.empty_state)
+    if mesh is None:
+        return state
+    kv = engine._cache_sharding(state.cache.k.shape)
+    rep = NamedSharding(mesh, PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv), state.cache)
+    return dataclasses.replace(placed, cache=cache)

@@ -33,16 +33,18 @@ def model_dir(path: str) -> pathlib.Path:
 def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
     m = config.model
+    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
     if m.path is None:
         depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
-        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth)
+        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
         model = Qwen3ForCausalLM(cfg, config.quant)
         return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
     path = model_dir(m.path)
-    model = Qwen3ForCausalLM(hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype), config.quant)
+    cfg = hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
+    model = Qwen3ForCausalLM(cfg, config.quant)
     shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
     _, params, _ = from_pretrained(
-        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings
+        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
     )
     return model, params
 

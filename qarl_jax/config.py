@@ -17,7 +17,7 @@ import yaml
 
 from qarl_jax.data import DataConfig, SyntheticConfig
 from qarl_jax.errors import ConfigError
-from qarl_jax.models.config import PRESETS
+from qarl_jax.models.config import PRESETS, REMAT_POLICIES
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rewards import GRADERS
 from qarl_jax.rl.advantages import ADVANTAGES, STDS
@@ -33,8 +33,12 @@ class ModelConfig:
     num_hidden_layers: int | None = None  # overrides the preset's depth (tests use shallow models)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    scan_layers: bool = False  # one nn.scan per run of identical layers over stacked parameters
+    remat_policy: str = "full"  # with train.remat: full | save_dots (keep matmul outputs) | none
 
     def __post_init__(self):
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         if self.path is None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; available: {sorted(PRESETS)}")
         if self.num_hidden_layers is not None and (self.path is not None or self.num_hidden_layers < 1):

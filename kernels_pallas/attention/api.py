@@ -18,8 +18,8 @@ segment. Requires ``starts >= 0`` (positions never run ahead of the row index).
 
 Keyword options: ``block_kv`` (keys per block, every backend; default :func:`default_block_kv`)
 and the kernel :class:`kernels_pallas._backend.Options` (CPU ``block_rows``: query tokens per
-block; GPU ``num_warps``). The backward (custom VJP) is the dense
-XLA formula: gradients need not be invariant.
+block; GPU ``num_warps``). The backward (custom VJP) is blockwise in O(T) memory on every backend
+(:mod:`kernels_pallas.attention.backward`): gradients need not be invariant.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 
 from kernels_pallas import _backend
 from kernels_pallas._backend import Options
-from kernels_pallas.attention.reference import reference_attention
+from kernels_pallas.attention.backward import attention_backward
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -47,13 +47,12 @@ def _attention(q, k, v, positions, starts, segment_ids, kv_segment_ids, block_kv
 
 def _attention_fwd(q, k, v, positions, starts, segment_ids, kv_segment_ids, block_kv, target):
     out = _attention(q, k, v, positions, starts, segment_ids, kv_segment_ids, block_kv, target)
-    return out, (q, k, v, positions, starts, segment_ids, kv_segment_ids)
+    return out, (q, k, v, out, positions, starts, segment_ids, kv_segment_ids)
 
 
 def _attention_bwd(block_kv, target, res, g):
-    q, k, v, *meta = res
-    _, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, *meta), q, k, v)
-    return (*vjp(g), *(None for _ in meta))
+    q, k, v, out, *meta = res
+    return (*attention_backward(q, k, v, out, g, *meta), *(None for _ in meta))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,5 +1,6 @@
 """References of the invariant attention: the visibility rule every path implements, dense XLA
-attention (also the custom VJP's backward) and a float64 numpy version for the tests."""
+attention (the gradient reference of the blockwise backward) and a float64 numpy version for the
+tests."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ Dropless, static shapes, per-token invariant: rows of x are sorted by expert in 
 whatever the other tokens, the group sizes of the other experts, or M. Rows past
 ``sum(group_sizes)`` give zeros (as ``jax.lax.ragged_dot``). Keyword options as
 :func:`kernels_pallas.quantized_matmul`'s (the GPU kernel takes every dense knob but ``split_k``).
-The STE's backward is ``lax.ragged_dot`` on the dequantized weight (see ``matmul.api``).
+The STE's backward walks the rows in blocks, one expert's dequantized weight at a time (dx with the
+transposed weights, dW as a transposed grouped matmul: :mod:`kernels_pallas.grouped.backward`),
+in O(rows) memory where ``lax.ragged_dot``'s transpose would expand over every expert.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import functools
 from typing import Unpack
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from kernels_pallas import _backend, _checks
 from kernels_pallas._backend import Options, Target
-from kernels_pallas.formats import QuantizedWeight, dequantize, quantize
+from kernels_pallas.formats import QuantizedWeight, quantize
+from kernels_pallas.grouped.backward import grouped_backward
 from kernels_pallas.matmul.api import SteOptions, out_dtype_of
 
 
@@ -51,14 +52,7 @@ def _grouped_ste_fwd(x, w_master, group_sizes, fmt, group_size, out_dtype, targe
 
 def _grouped_ste_bwd(fmt, group_size, out_dtype, target, quantizer, res, g):
     x, w_master, wq, group_sizes = res
-
-    def ragged(x32, w32):
-        return lax.ragged_dot(
-            x32, w32, group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-        )
-
-    _, vjp = jax.vjp(ragged, x.astype(jnp.float32), dequantize(wq, jnp.float32))
-    dx, dw = vjp(g.astype(jnp.float32))
+    dx, dw = grouped_backward(x, g, wq, group_sizes)
     return dx.astype(x.dtype), dw.astype(w_master.dtype), None
 
 

@@ -8,7 +8,8 @@ The STE trains on master weights with the rollout's exact forward: forward = ``q
 then the kernel, so it is bitwise the rollout's forward on frozen weights (training log-probs ==
 rollout log-probs). Backward treats quantization (of the weight and, for w8a8/w4a8, of the
 activations) as the identity: f32 matmuls with the dequantized weight, gradients for the
-activations and the full-precision master weight.
+activations and the full-precision master weight. The residual is the quantized weight (the
+integers and scales, not a float copy); the float weight is rebuilt in the backward, per layer.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _ste_fwd(x, w_master, fmt, group_size, out_dtype, target, quantizer):
 def _ste_bwd(fmt, group_size, out_dtype, target, quantizer, res, g):
     x, w_master, wq = res
     k, n = w_master.shape
+    # the float weight is rebuilt from the integers when this cotangent arrives, not before: tied
+    # to g, XLA cannot hoist every layer's dequantized copy to the start of the backward pass
+    wq, g = lax.optimization_barrier((wq, g))
     w = dequantize(wq, jnp.float32)
     g2 = g.reshape(-1, n).astype(jnp.float32)
     x2 = x.reshape(-1, k).astype(jnp.float32)

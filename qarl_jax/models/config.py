@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+REMAT_POLICIES = ("full", "save_dots", "none")
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 # config.json keys we read; anything else in the file is carried through untouched on export.
@@ -82,6 +83,11 @@ class Qwen3Config:
     dtype: str = "float32"
     # config.json entries we do not interpret, kept for a faithful export
     extra_hf: tuple[tuple[str, Any], ...] = ()
+    # execution (not exported): scan runs of identical layers over stacked parameters (one compiled
+    # layer per run instead of one per layer), and what a rematerialised layer saves for the
+    # backward pass: "full" nothing, "save_dots" the matmul outputs, "none" everything (no remat)
+    scan_layers: bool = False
+    remat_policy: str = "full"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
@@ -96,6 +102,10 @@ class Qwen3Config:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.is_moe and self.moe_intermediate_size <= 0:
             raise ValueError("a MoE config needs moe_intermediate_size > 0")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"Qwen3Config.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}"
+            )
         for name in ("param_dtype", "dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
 

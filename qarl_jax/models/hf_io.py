@@ -3,10 +3,13 @@
 Tensors are streamed one at a time (read, transpose to the Flax [in, out] layout, cast, place on
 devices, drop), so peak host memory stays near the size of the parameters themselves. Experts are
 stored per expert on the Hub (``mlp.experts.{j}.gate_proj.weight``) and stacked [E, in, out] here.
+A scanned model (``Qwen3Config.scan_layers``) stacks each run's layers on a leading axis too: a
+stacked parameter is assembled on the host from its layers' tensors, then placed.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pathlib
@@ -22,6 +25,7 @@ from safetensors.numpy import save_file
 from qarl_jax.errors import CheckpointError
 from qarl_jax.models.config import Qwen3Config, dtype_name
 from qarl_jax.models.qwen3 import Qwen3ForCausalLM
+from qarl_jax.models.stacking import layer_location
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -144,6 +148,15 @@ def _is_kernel(path: tuple[str, ...]) -> bool:
     return path[-1] == "kernel"
 
 
+def param_location(config: Qwen3Config, path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
+    """Where a :func:`tensor_layout` path lives in ``config``'s params: (path, index on the stacked
+    layer axis, or None when the leaf is not stacked)."""
+    if not path[0].startswith("layers_"):
+        return path, None
+    key, index = layer_location(config, int(path[0].removeprefix("layers_")))
+    return (key, *path[1:]), index
+
+
 def _weight_files(ckpt: pathlib.Path) -> dict[str, pathlib.Path]:
     """Map every tensor name to the safetensors file holding it (index file, one file, or a glob)."""
     index = ckpt / INDEX_FILE
@@ -199,8 +212,11 @@ def load_params(ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | 
     params: dict = {}
     handles: dict = {}
     expected = set()
+    layout = list(tensor_layout(config))
+    layers_of = collections.Counter(param_location(config, path)[0] for path, _, _ in layout)
+    stacks: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves being assembled on the host
     try:
-        for path, names, shape in tensor_layout(config):
+        for path, names, shape in layout:
             if isinstance(names, list):  # experts: stack [out, in] per expert into [E, in, out]
                 expected.update(names)
                 arr = np.empty(shape, dtype=dtype)
@@ -211,6 +227,15 @@ def load_params(ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | 
                 hf_shape = (shape[1], shape[0]) if _is_kernel(path) else shape
                 arr = _read(handles, files, names, hf_shape)
                 arr = arr.T if _is_kernel(path) else arr
+            path, index = param_location(config, path)
+            if index is not None:  # one layer of a stacked leaf: place the stack after its last layer
+                if path not in stacks:
+                    stacks[path] = np.empty((layers_of[path], *arr.shape), dtype=dtype)
+                stacks[path][index] = arr
+                layers_of[path] -= 1
+                if layers_of[path]:
+                    continue
+                arr = stacks.pop(path)
             sharding = None
             if shardings is not None:
                 sharding = shardings
@@ -266,16 +291,18 @@ def from_pretrained(
     compute_dtype: DTypeLike | None = None,
     quant=None,
     shardings: dict | None = None,
+    **overrides,
 ):
     """Load a local Hugging Face Qwen3 / Qwen3-MoE directory -> ``(model, params, tokenizer)``.
 
     ``model.apply({"params": params}, tokens)`` gives logits. ``dtype`` is the parameter dtype,
     ``compute_dtype`` the matmul dtype (default: ``dtype``), each a name or a JAX/NumPy dtype;
     ``shardings`` places each tensor directly with its sharding (see
-    ``qarl_jax.sharding.param_shardings``)."""
+    ``qarl_jax.sharding.param_shardings``); ``overrides`` are further :class:`Qwen3Config` fields
+    (``scan_layers=True``: the stacked layout)."""
     dtype = dtype_name(dtype, "from_pretrained dtype")
     compute_dtype = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
-    config = load_config(ckpt, param_dtype=dtype, dtype=compute_dtype)
+    config = load_config(ckpt, param_dtype=dtype, dtype=compute_dtype, **overrides)
     model = Qwen3ForCausalLM(config, quant)
     return model, load_params(ckpt, config, shardings), load_tokenizer(ckpt)
 
@@ -310,11 +337,20 @@ def save_pretrained(
         shards[-1][name] = np.ascontiguousarray(arr)
         size += arr.nbytes
 
-    for path, names, _ in tensor_layout(config):
-        node = params
-        for key in path:
-            node = node[key]
-        arr = _host_array(node)
+    layout = list(tensor_layout(config))
+    uses = collections.Counter(param_location(config, path)[0] for path, _, _ in layout)
+    fetched: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves, dropped after their last layer
+    for path, names, _ in layout:
+        path, index = param_location(config, path)
+        if path not in fetched:
+            node = params
+            for key in path:
+                node = node[key]
+            fetched[path] = _host_array(node)
+        arr = fetched[path] if index is None else fetched[path][index]
+        uses[path] -= 1
+        if not uses[path]:
+            del fetched[path]
         if isinstance(names, list):
             for j, name in enumerate(names):
                 add(name, arr[j].T)

@@ -19,10 +19,12 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from qarl_jax import quant
 from qarl_jax.models import ops
 from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.stacking import layer_runs
 
 _INIT_STD = 0.02
 
@@ -57,6 +59,9 @@ def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+MATMUL_OUTPUT = "matmul_output"  # checkpoint name of every projection's output (remat "save_dots")
+
+
 class Dense(nn.Module):
     """A bias-free projection [.., K] -> [.., N] through the single quantization-aware matmul."""
 
@@ -72,12 +77,13 @@ class Dense(nn.Module):
             self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype)
         )
         spec, kind = self.quant, self.kind
-        return ops.per_device(
+        y = ops.per_device(
             lambda x, w: quant.dot(x, w, spec, kind),
             x.astype(self.config.dtype),
             kernel,
             batched=(True, False),
         )
+        return checkpoint_name(y, MATMUL_OUTPUT)
 
 
 class RMSNorm(nn.Module):
@@ -111,11 +117,11 @@ class Attention(nn.Module):
         q = ops.rope(q, positions, c.rope_theta)
         k = ops.rope(k, positions, c.rope_theta)
         if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
-            ck, cv = layer_cache
+            ck, cv, i = layer_cache  # the whole stacked cache, written in place at layer i
             rows = jnp.arange(b)[:, None]
-            k = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
-            v = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
-            layer_cache = (k, v)
+            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
+            k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
         out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, starts, segment_ids)
         out = nn.with_logical_constraint(out.reshape(b, t, h * d), ("batch", "length", "act_heads"))
         return dense(c.hidden_size, ("q_heads", "embed"), "o_proj")(out), layer_cache
@@ -204,9 +210,9 @@ def _moe(
     rows = tokens[order // k]
     group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
     w_gate, w_up, w_down = expert_weights
-    gate = quant.grouped_dot(rows, w_gate, group_sizes, spec, "experts")
-    up = quant.grouped_dot(rows, w_up, group_sizes, spec, "experts")
-    out = quant.grouped_dot(nn.silu(gate) * up, w_down, group_sizes, spec, "experts")
+    dot = lambda a, w: checkpoint_name(quant.grouped_dot(a, w, group_sizes, spec, "experts"), MATMUL_OUTPUT)  # noqa: E731
+    gate, up = dot(rows, w_gate), dot(rows, w_up)
+    out = dot(nn.silu(gate) * up, w_down)
     out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
     out = _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]).reshape(b, t, hdim)
     return out, experts.reshape(b, t, k)
@@ -222,12 +228,18 @@ def _sum_in_order(terms: list[jax.Array]) -> jax.Array:
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer in scan form: ``(carry, positions, starts, segment_ids) -> (carry, None)``
+    with carry ``(x, cache)``; cache is None (full-sequence forward) or ``(k, v, i)``: the whole
+    stacked KV cache [layers, B, S, KV, D] and this layer's index in it (the next layer's on the
+    way out). The same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
+
     config: Qwen3Config
-    layer: int
+    layer: int  # its index (the first of its run when scanned: only its kind matters)
     quant: quant.QuantSpec | None
 
     @nn.compact
-    def __call__(self, x, positions, starts, segment_ids, layer_cache=None):
+    def __call__(self, carry, positions, starts, segment_ids):
+        x, layer_cache = carry
         c = self.config
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="input_layernorm")(x)
         h, layer_cache = Attention(c, self.quant, name="self_attn")(
@@ -237,7 +249,11 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="post_attention_layernorm")(x)
         ffn = MoE if c.is_moe_layer(self.layer) else MLP
         x = x + ffn(c, self.quant, name="mlp")(h)
-        return nn.with_logical_constraint(x, ("batch", "length", "act_embed")), layer_cache
+        if c.scan_layers:  # a scan's carry keeps its type (plain XLA matmuls promote to the params')
+            x = x.astype(carry[0].dtype)
+        if layer_cache is not None:
+            layer_cache = (*layer_cache[:2], layer_cache[2] + 1)
+        return (nn.with_logical_constraint(x, ("batch", "length", "act_embed")), layer_cache), None
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -258,14 +274,28 @@ class Qwen3ForCausalLM(nn.Module):
             param_dtype=jnp.dtype(c.param_dtype),
             dtype=jnp.dtype(c.dtype),
         )
-        layer = nn.remat(DecoderLayer) if self.remat else DecoderLayer
-        self.layers = [layer(c, i, self.quant) for i in range(c.num_hidden_layers)]
+        layer = _layer_class(c, self.remat)
+        if c.scan_layers:
+            self.stack = {
+                f"{start}_{stop}": nn.scan(
+                    layer,
+                    variable_axes={"params": 0, "intermediates": 0},
+                    split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                    length=stop - start,
+                    metadata_params={nn.PARTITION_NAME: "layers"},
+                )(c, start, self.quant)
+                for start, stop in layer_runs(c)
+            }
+        else:
+            self.layers = [layer(c, i, self.quant) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Dense(c.vocab_size, "lm_head", ("embed", "vocab"), c, self.quant)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        x = self.norm(x)
+    def head(self, x: jax.Array) -> jax.Array:
+        """lm_head logits [..., V] of final-norm hidden states ``x`` [..., H]. Row-wise (the matmul
+        kernel's rows are independent), so a caller may run it over any split of the tokens."""
         if self.config.tie_word_embeddings:
             spec = self.quant
             return ops.per_device(
@@ -281,6 +311,13 @@ class Qwen3ForCausalLM(nn.Module):
     ):
         """Full-sequence forward. tokens [B, T]; positions default to 0..T-1; segment_ids [B, T]
         mark packed sequences (0 = padding): a token attends to earlier tokens of its own segment."""
+        return self.head(self.hidden(tokens, positions, segment_ids))
+
+    def hidden(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """The full-sequence forward up to the final norm: [B, T, H], what :meth:`head` maps to
+        logits (the trainer's loss applies the head in chunks of tokens)."""
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -289,21 +326,47 @@ class Qwen3ForCausalLM(nn.Module):
         # a packed sequence's position 0 sits at row index t - position: its key blocks start there
         starts = jnp.arange(t, dtype=jnp.int32)[None, :] - positions.astype(jnp.int32)
         x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "act_embed"))
+        x, _ = self._decoder(x, None, positions, starts, segment_ids)
+        return self.norm(x)
+
+    def _decoder(self, x, cache, positions, starts, segment_ids):
+        """Every layer in order (unrolled or one scan per run); cache as in :class:`DecoderLayer`."""
+        carry = (x, cache)
+        if self.config.scan_layers:
+            for start, stop in layer_runs(self.config):
+                if cache is not None:  # the run's scan counts its layer index from its first layer
+                    carry = (carry[0], (*carry[1][:2], jnp.int32(start)))
+                carry, _ = self.stack[f"{start}_{stop}"](carry, positions, starts, segment_ids)
+            return carry
         for layer in self.layers:
-            x, _ = layer(x, positions, starts, segment_ids)
-        return self._logits(x)
+            carry, _ = layer(carry, positions, starts, segment_ids)
+        return carry
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
         """Incremental forward over a KV cache (prefill when T > 1, one decode step when T == 1).
 
         Each row is one sequence (a rollout slot); token t of row b sits at positions[b, t] and
         attends to every cached position <= its own. Positions >= cache length are dropped."""
+        hidden, cache = self.decode_hidden(tokens, positions, cache)
+        return self.head(hidden), cache
+
+    def decode_hidden(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+        """:meth:`decode` up to the final norm: (hidden [B, T, H], cache), for callers that need
+        the logits of a few positions only (a prefill needs its last prompt token's)."""
         x = self.embed_tokens(tokens)
-        all_k, all_v = cache.k, cache.v
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, positions, None, None, (all_k[i], all_v[i]))
-            all_k, all_v = all_k.at[i].set(k), all_v.at[i].set(v)  # in place under jit
-        return self._logits(x), KVCache(k=all_k, v=all_v)
+        x, (all_k, all_v, _) = self._decoder(x, (cache.k, cache.v, 0), positions, None, None)
+        return self.norm(x), KVCache(k=all_k, v=all_v)
+
+
+def _layer_class(c: Qwen3Config, remat: bool) -> type[nn.Module]:
+    """DecoderLayer, rematerialised by ``c.remat_policy`` when ``remat``. A scanned layer skips
+    remat's CSE barriers: the scan's loop already keeps the recomputation from being merged."""
+    if not remat or c.remat_policy == "none":
+        return DecoderLayer
+    policy = None
+    if c.remat_policy == "save_dots":
+        policy = jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT)
+    return nn.remat(DecoderLayer, policy=policy, prevent_cse=not c.scan_layers)
 
 
 def init_fn(model: Qwen3ForCausalLM):

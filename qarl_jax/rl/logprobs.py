@@ -30,6 +30,21 @@ def training_model(model: Qwen3ForCausalLM, *, remat: bool = False) -> Qwen3ForC
     return model.clone(quant=spec, remat=remat)
 
 
+# Logits alive at a time in the head: about this many f32 entries (256 MiB), forward and backward.
+HEAD_CHUNK_ELEMENTS = 1 << 26
+
+
+def head_chunk_tokens(rows: int, length: int, vocab: int, budget: int | None = None) -> int:
+    """Tokens per head chunk: the largest power of two with rows x chunk x vocab <= ``budget``
+    (default :data:`HEAD_CHUNK_ELEMENTS`; at least 1), or the whole ``length`` when it fits. A
+    function of the shapes only."""
+    budget = budget or HEAD_CHUNK_ELEMENTS
+    chunk = 1
+    while chunk * 2 * rows * vocab <= budget:
+        chunk *= 2
+    return length if length <= chunk else chunk
+
+
 def policy_logprobs(
     model: Qwen3ForCausalLM,
     params,
@@ -43,13 +58,11 @@ def policy_logprobs(
 ) -> jax.Array:
     """log p(targets[b, t] | tokens[b, :t+1]) [B, T] f32 under the training forward, from the float
     master ``params``. Packed rows: ``positions`` restart at 0 and ``segment_ids`` change at each
-    sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass."""
-    logits = _training_logits(model, params, tokens, positions, segment_ids, remat)
-    return token_logprobs(logits, targets, temperature)
-
-
-def _training_logits(model, params, tokens, positions, segment_ids, remat: bool) -> jax.Array:
-    return training_model(model, remat=remat).apply({"params": params}, tokens, positions, segment_ids)
+    sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass; the head
+    always runs in chunks of tokens (:func:`chunked_head`)."""
+    m = training_model(model, remat=remat)
+    hidden = m.apply({"params": params}, tokens, positions, segment_ids, method="hidden")
+    return chunked_head(m, params, hidden, targets, temperature)[0]
 
 
 def policy_logprobs_and_entropy(
@@ -66,11 +79,50 @@ def policy_logprobs_and_entropy(
     """(:func:`policy_logprobs`, entropy of the policy at ``temperature``) [B, T] f32 from one forward.
     The log-probs are bitwise those of :func:`policy_logprobs` (same kernel on the same logits); the
     entropy -sum p log p runs the row-wise log-softmax kernel over the vocabulary, so it costs one
-    more pass over the logits, not a second forward."""
-    logits = _training_logits(model, params, tokens, positions, segment_ids, remat)
-    logq = log_softmax(logits, temperature)
-    entropy = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
-    return token_logprobs(logits, targets, temperature), entropy
+    more pass over each chunk's logits, not a second forward."""
+    m = training_model(model, remat=remat)
+    hidden = m.apply({"params": params}, tokens, positions, segment_ids, method="hidden")
+    return chunked_head(m, params, hidden, targets, temperature, entropy=True)
+
+
+def chunked_head(
+    model: Qwen3ForCausalLM,
+    params,
+    hidden: jax.Array,
+    targets: jax.Array,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(target log-probs, entropy or None) [B, T] f32 from final-norm ``hidden`` [B, T, H]: lm_head,
+    tempered log-softmax, target pick and entropy over chunks of ``chunk`` tokens (default
+    :func:`head_chunk_tokens`) in a scan whose body is rematerialised, so neither the forward nor
+    the backward holds more than one chunk's [B, chunk, V] logits. Every step of the head is a
+    row-wise kernel (the matmul's rows, the log-sum-exp's rows): a token's bits do not depend on
+    the chunk it falls in, so these are the unchunked head's log-probs bit for bit."""
+    b, t, h = hidden.shape
+    chunk = chunk or head_chunk_tokens(b, t, model.config.vocab_size)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    x = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    y = jnp.pad(targets, ((0, 0), (0, pad)))
+    # chunk-major [n, B, chunk, ...]: the batch axis (the one the mesh splits) stays whole
+    xs = jnp.swapaxes(x.reshape(b, n, chunk, h), 0, 1)
+    ys = jnp.swapaxes(y.reshape(b, n, chunk), 0, 1)
+
+    @jax.checkpoint
+    def one(xc, yc):
+        logits = model.apply({"params": params}, xc, method="head")
+        logp = token_logprobs(logits, yc, temperature)
+        if not entropy:
+            return logp, None
+        logq = log_softmax(logits, temperature)
+        return logp, -jnp.sum(jnp.exp(logq) * logq, axis=-1)
+
+    _, (logp, ent) = jax.lax.scan(lambda carry, c: (carry, one(*c)), None, (xs, ys))
+    merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
+    return merge(logp), None if ent is None else merge(ent)
 
 
 Batch = Mapping[str, jax.Array]

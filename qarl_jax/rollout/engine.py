@@ -42,10 +42,13 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     max_prefill_batch: int = 8
     eos_ids: tuple[int, ...] = ()
+    # a longer prompt is prefilled this many tokens at a time (each chunk attends to the cache the
+    # previous ones wrote): activations of one chunk alive, not of the whole prompt; same bits
+    prefill_chunk: int = 2048
 
     def __post_init__(self):
-        if self.slots <= 0 or self.max_len <= 1 or self.max_prefill_batch <= 0:
-            raise ValueError(f"slots, max_len and max_prefill_batch must be positive: {self}")
+        if self.slots <= 0 or self.max_len <= 1 or self.max_prefill_batch <= 0 or self.prefill_chunk <= 0:
+            raise ValueError(f"slots, max_len, max_prefill_batch and prefill_chunk must be positive: {self}")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or not self.prefill_buckets:
             raise ValueError(f"prefill_buckets must be increasing, got {self.prefill_buckets}")
 
@@ -236,21 +239,26 @@ class RolloutEngine:
     def init_decode_state(self) -> DecodeState:
         """A fresh state on the engine's mesh (not the caller's): zeroed cache (compute dtype),
         every slot empty."""
-        c, s = self.config, self.config.slots
         with self.context():
-            cache = KVCache.init(self.model.config, s, c.max_len)
+            state = self.empty_state()
             if self.mesh is not None:
-                cache = jax.device_put(cache, self._cache_sharding(cache.k.shape))
-            zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
-            return DecodeState(
-                cache=cache,
-                tokens=zeros(),
-                positions=zeros(),
-                keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
-                generated=zeros(),
-                done=jnp.ones((s,), bool),
-                settings=SlotSettings.empty(s),
-            )
+                cache = jax.device_put(state.cache, self._cache_sharding(state.cache.k.shape))
+                state = dataclasses.replace(state, cache=cache)
+            return state
+
+    def empty_state(self) -> DecodeState:
+        """The decode state's values before placement (``jax.eval_shape`` of it: its structure)."""
+        c, s = self.config, self.config.slots
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: all are donated
+        return DecodeState(
+            cache=KVCache.init(self.model.config, s, c.max_len),
+            tokens=zeros(),
+            positions=zeros(),
+            keys=jnp.zeros((s, *self._key_shape), jnp.uint32),
+            generated=zeros(),
+            done=jnp.ones((s,), bool),
+            settings=SlotSettings.empty(s),
+        )
 
     def allocate(self) -> DecodeState:
         """(Re)allocate ``self.state`` if it was released."""
@@ -330,6 +338,15 @@ class RolloutEngine:
         with self.context():
             return self._release(state, idx)
 
+    def kv_cache_bytes_per_device(self) -> int:
+        """Bytes of the KV cache (K and V, [layers, slots, max_len, kv_heads, head_dim] in the compute
+        dtype) on one device, sharded as :meth:`init_decode_state` places it."""
+        c, m = self.config, self.model.config
+        shape = (m.num_hidden_layers, c.slots, c.max_len, m.num_key_value_heads, m.head_dim)
+        if self.mesh is not None:
+            shape = self._cache_sharding(shape).shard_shape(shape)
+        return 2 * int(np.prod(shape)) * jnp.dtype(m.dtype).itemsize
+
     def compilations(self) -> dict[str, int]:
         """How many programs each jitted call has compiled (for no-recompilation checks)."""
         fns = {"prefill": self._prefill, "insert": self._insert, "generate": self._generate}
@@ -347,12 +364,12 @@ class RolloutEngine:
         """The engine's mesh and logical rules (every jitted call runs inside it)."""
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
-    def _apply_decode(self, params, tokens, positions, cache):
+    def _apply_decode(self, params, tokens, positions, cache, method: str = "decode"):
         variables = {"params": params}
         if self.hook is None:
-            return self.model.apply(variables, tokens, positions, cache, method="decode")
+            return self.model.apply(variables, tokens, positions, cache, method=method)
         out, state = self.model.apply(
-            variables, tokens, positions, cache, method="decode", mutable=["intermediates"]
+            variables, tokens, positions, cache, method=method, mutable=["intermediates"]
         )
         self._collected = self.hook.collect(positions, state["intermediates"])
         return out
@@ -370,12 +387,36 @@ class RolloutEngine:
         return call
 
     def _prefill_impl(self, params, tokens, lengths) -> Prefix:
+        """The prompts' K/V and the logits after each one's last token. A bucket longer than
+        ``prefill_chunk`` runs in a scan over chunks of it (the last chunk padded: positions past
+        the cache are dropped), each keeping only the final-norm hidden state at its rows' last
+        prompt token; the head then runs once on those. Every kernel is row-wise and the cache
+        layout is the decode step's, so the bits are those of one whole-prompt call. With a hook,
+        whole prompts: it reads the intermediates of one traced forward."""
         p, t = tokens.shape
         cache = KVCache.init(self.model.config, p, t)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
-        logits, cache = self._apply_decode(params, tokens, positions, cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return Prefix(cache=cache, last_logits=last.astype(jnp.float32), lengths=lengths)
+        chunk = t if self.hook is not None else min(t, self.config.prefill_chunk)
+        n = -(-t // chunk)
+        positions = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (p, n * chunk))
+        tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+        split = lambda v: jnp.swapaxes(v.reshape(p, n, chunk), 0, 1)  # noqa: E731
+        hdim = self.model.config.hidden_size
+
+        def step(carry, chunk_in):
+            cache, last = carry
+            toks, pos = chunk_in
+            hidden, cache = self._apply_decode(params, toks, pos, cache, method="decode_hidden")
+            at = lengths - 1 - pos[:, 0]  # the last prompt token's index within this chunk
+            pick = jnp.take_along_axis(hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+            return (cache, jnp.where(((at >= 0) & (at < chunk))[:, None], pick, last)), None
+
+        init = (cache, jnp.zeros((p, hdim), jnp.dtype(self.model.config.dtype)))
+        if n == 1:
+            (cache, last), _ = step(init, (tokens, positions))
+        else:
+            (cache, last), _ = jax.lax.scan(step, init, (split(tokens), split(positions)))
+        logits = self.model.apply({"params": params}, last[:, None], method="head")[:, 0]
+        return Prefix(cache=cache, last_logits=logits.astype(jnp.float32), lengths=lengths)
 
     def insert_impl(self, prefix: Prefix, state: DecodeState, cols, seed):
         rows, slots = cols["rows"], cols["slots"]

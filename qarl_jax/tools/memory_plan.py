@@ -37,6 +37,13 @@ moe_intermediate) (MoE); logits are in c with an f32 log-softmax or gradient bes
 largest layer (or lm_head) gathered whole in p, since ``ops.per_device`` runs every matmul on the
 gathered weight (twice in the update: the weight and its full-size gradient). These are estimates:
 XLA's temporaries and fragmentation come on top, so leave headroom.
+
+``--compiled`` also lowers and compiles the real programs at these shapes on the mesh (fake CPU
+devices of its size; see :mod:`qarl_jax.tools.compiled_memory`) and prints XLA's per-device memory
+of each (arguments, outputs, temporaries) and of the run at that program: the program's own
+peak plus what stays resident beside it (update: the frozen weights and KV cache; old log-probs:
+also the optimizer state; decode and prefill: the train state, and for prefill the KV cache).
+Compiling a large model on CPU takes minutes.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 import sys
 from typing import Any
 
@@ -73,6 +81,7 @@ def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3C
     ``model.path`` exists here, else ``model.preset``, which must then be stated (not the default)."""
     m = config.model
     dtypes = dict(param_dtype=m.param_dtype, dtype=m.compute_dtype)
+    dtypes.update(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
     try:
         if preset_name is not None:
             return preset(preset_name, **dtypes), f"preset {preset_name}"
@@ -216,7 +225,8 @@ def plan(
     a = max(layers)
     groups: collections.Counter[str] = collections.Counter()  # top-level modules: layers_i, lm_head, ...
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        groups[_names(path)[0]] += leaf.size * pb
+        top = _names(path)[0]  # a scanned run's stack is gathered one layer at a time
+        groups[top] += leaf.size * pb // (leaf.shape[0] if top.startswith("stack_") else 1)
     gathered = max(groups.values())
     engine = EngineConfig(slots=r.slots, max_len=r.max_len)
     prompt = bucket(config.data.max_prompt_tokens, engine.length_buckets)
@@ -249,6 +259,72 @@ def plan(
         fits=None if hbm is None else total <= hbm,
         notes=notes,
     )
+
+
+def compiled_plan(config: Config, p: dict[str, Any], preset_name: str | None = None) -> dict[str, Any]:
+    """XLA's per-device memory of the run's programs (see the module doc) on ``p``'s mesh, and the
+    run's peak by them. Needs ``p['devices']`` devices (fake CPU devices are fine)."""
+    from qarl_jax.tools import compiled_memory
+
+    if jax.device_count() < p["devices"]:
+        raise PlanError(
+            f"--compiled needs {p['devices']} devices, {jax.device_count()} present: run with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={p['devices']} JAX_PLATFORMS=cpu"
+        )
+    c, _ = architecture(config, preset_name)
+    model = Qwen3ForCausalLM(c, config.quant)
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[: p["devices"]])
+    r, rules = config.rollout, config.mesh.rules
+    n = config.data.batch_size * r.samples_per_prompt
+    programs = compiled_memory.train_step_programs(
+        model, config.objective, config.train, config.optimizer, n, r.max_len, mesh, rules
+    )
+    engine = EngineConfig(slots=r.slots, max_len=r.max_len)
+    decode, kv_bytes = compiled_memory.engine_programs(
+        model, config.quant, engine, config.data.max_prompt_tokens, mesh, rules
+    )
+    b = p["bytes"]
+    state = b["params"] + b["reference"] + b["optimizer"]
+    beside = dict(
+        old_logprobs=b["optimizer"] + b["frozen"] + kv_bytes,
+        update=b["frozen"] + kv_bytes,
+        prefill=state + kv_bytes,
+        decode_step=state,
+    )
+    programs += decode
+    run = {x.name: x.peak + beside[x.name] for x in programs}
+    peak = max(run, key=run.get)
+    hbm = p["hbm_bytes"]
+    return dict(
+        programs=programs,
+        kv_cache=kv_bytes,
+        run=run,
+        peak_program=peak,
+        total_bytes=run[peak],
+        fits=None if hbm is None else run[peak] <= hbm,
+    )
+
+
+def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
+    """The compiled plan as a table of GB per device, beside the estimate."""
+    lines = [
+        "compiled (XLA memory_analysis per device, GB):",
+        f"  {'program':<14}"
+        + "".join(f"{h:>8}" for h in ("args", "out", "alias", "temp", "peak", "run"))
+        + f"{'compile s':>11}",
+    ]
+    for x in cp["programs"]:
+        vals = (x.argument, x.output, x.alias, x.temp, x.peak, cp["run"][x.name])
+        lines.append(f"  {x.name:<14}" + "".join(f"{v / GB:>8.2f}" for v in vals) + f"{x.compile_s:>11.1f}")
+    lines.append(f"  engine KV cache {cp['kv_cache'] / GB:.2f} GB per device")
+    total = (
+        f"  compiled total {cp['total_bytes'] / GB:.2f} GB at {cp['peak_program']} "
+        f"(estimate {p['total_bytes'] / GB:.2f} GB at {p['peak_phase']})"
+    )
+    if p["hbm_bytes"] is not None:
+        verdict = "fits" if cp["fits"] else "DOES NOT FIT"
+        total += f"; {cp['total_bytes'] / p['hbm_bytes']:.0%} of {p['hbm_bytes'] / GB:g} GB HBM: {verdict}"
+    return "\n".join(lines + [total])
 
 
 def format_plan(p: dict[str, Any], config: Config) -> str:
@@ -289,6 +365,20 @@ def format_plan(p: dict[str, Any], config: Config) -> str:
     return "\n".join(lines)
 
 
+def _exec_with_fake_devices(devices: int) -> None:
+    """Run this command again with ``devices`` fake CPU devices (XLA reads the flag at start-up);
+    once only: a run that already has the flag reports the shortfall instead."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+        JAX_PLATFORMS="cpu",
+    )
+    os.execve(sys.executable, [sys.executable, "-m", "qarl_jax.tools.memory_plan", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m qarl_jax.tools.memory_plan", description=__doc__.split("\n\n")[1]
@@ -298,17 +388,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help="architecture preset (default: config.json, else model.preset)")
     parser.add_argument("--platform", choices=sorted(HBM_GB), help="sets --hbm-gb to the chip's HBM")
     parser.add_argument("--hbm-gb", type=float, help="HBM per device in GB (1e9 bytes)")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also compile the real programs and print XLA's memory"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.micro_batches=8")
     args = parser.parse_args(argv)
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
     try:
         config = load_config(args.config, args.overrides)
         p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm)
+        if args.compiled and argv is None and jax.device_count() < p["devices"]:
+            _exec_with_fake_devices(p["devices"])
+        print(format_plan(p, config), flush=True)
+        if not args.compiled:
+            return 1 if p["fits"] is False else 0
+        cp = compiled_plan(config, p, args.preset)
     except (ConfigError, PlanError) as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2
-    print(format_plan(p, config))
-    return 1 if p["fits"] is False else 0
+    print(format_compiled(cp, p))
+    return 1 if cp["fits"] is False else 0
 
 
 if __name__ == "__main__":

@@ -23,14 +23,18 @@ SampleId = tuple[int, int]  # (prompt index, sample index)
 
 def routed_experts(intermediates) -> jax.Array | None:
     """[B, T, MoE layers, top_k] expert indices from a forward's "intermediates" collection, in
-    layer order; None when the model has no MoE layer."""
-    layers = sorted(
-        (int(name.rsplit("_", 1)[1]), tree)
-        for name, tree in intermediates.items()
-        if name.startswith("layers_")
-    )
-    found = [tree["mlp"]["router_topk"][0] for _, tree in layers if "router_topk" in tree.get("mlp", {})]
-    return jnp.stack(found, axis=2) if found else None
+    layer order; None when the model has no MoE layer. Per-layer modules (``layers_{i}``) sow
+    [B, T, top_k]; a scanned run (``stack_{start}_{stop}``) sows its layers stacked in front."""
+    found = []
+    for name, tree in intermediates.items():
+        if "router_topk" not in tree.get("mlp", {}):
+            continue
+        topk = tree["mlp"]["router_topk"][0]
+        if name.startswith("layers_"):
+            found.append((int(name.removeprefix("layers_")), topk[:, :, None]))
+        elif name.startswith("stack_"):
+            found.append((int(name.split("_")[1]), jnp.moveaxis(topk, 0, 2)))
+    return jnp.concatenate([t for _, t in sorted(found, key=lambda f: f[0])], axis=2) if found else None
 
 
 class RouteRecorder:

@@ -1,0 +1,174 @@
+"""XLA's own memory figures for a run's programs: lower and compile the real train step (old
+log-prob scoring, the update with its micro-batches) and the engine's prefill and decode step at the
+config's shapes, on a mesh of the config's size, with nothing allocated (every input is a
+``jax.ShapeDtypeStruct`` carrying its sharding). ``compiled.memory_analysis()`` is per device: the
+SPMD-partitioned program one device runs.
+
+Used by ``python -m qarl_jax.tools.memory_plan --compiled`` (which provides the devices: fake CPU
+devices of the mesh's size, ``--xla_force_host_platform_device_count``) and by
+``benchmarks/long_context.py``. On CPU the figures are XLA:CPU's buffer assignment: the same
+programs an accelerator runs, scheduled by another backend, so read them as the size of what
+must be alive, not as a byte-exact GPU/TPU prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from qarl_jax import sharding
+from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.quant import QuantSpec, quantize_params
+from qarl_jax.rl.batch import training_batch
+from qarl_jax.rl.train_step import ObjectiveConfig, OptimizerConfig, TrainConfig, Trainer, TrainState
+from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One compiled program's per-device memory (bytes) and compile time (seconds)."""
+
+    name: str
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    compile_s: float
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs not aliased to (donated) arguments + temporaries."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+def compile_memory(name: str, lowered) -> Compiled:
+    """Compile ``lowered`` (a ``jax.stages.Lowered``) and read its memory analysis."""
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    return Compiled(
+        name,
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.alias_size_in_bytes,
+        m.temp_size_in_bytes,
+        seconds,
+    )
+
+
+def abstract_params(model: Qwen3ForCausalLM, mesh: Mesh | None, rules) -> dict:
+    """The model's parameters as structs, sharded by ``rules`` on ``mesh`` (None: unsharded)."""
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    boxes = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    # the boxes' values, not nn.meta.unbox (which would add sharding constraints under a mesh)
+    params = jax.tree.map(lambda x: x.value if boxes(x) else x, boxed["params"], is_leaf=boxes)
+    if mesh is None:
+        return params
+    shardings = sharding.logical_to_sharding(boxed, mesh, rules)["params"]
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+
+def jitted_outputs(fn, *args):
+    """Structs of ``jax.jit(fn)(*args)``'s outputs with the shardings XLA gives them (how the
+    trainer builds its optimizer state and the loop its frozen weights: jitted, shardings
+    propagated from the inputs)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    shapes = jax.eval_shape(fn, *args)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, compiled.output_shardings
+    )
+
+
+def _batch_axes(mesh: Mesh | None, rules) -> tuple[str, ...]:
+    axes = dict(rules)["batch"]
+    return () if mesh is None or axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def abstract_batch(rows: int, length: int, mesh: Mesh | None, rules, extra: tuple[str, ...] = ()) -> dict:
+    """The trainer's batch of ``rows`` sequences x ``length`` tokens, as the trainer places it
+    (rows over the batch axes). Keys and dtypes are those ``rl.batch.training_batch`` builds, plus
+    ``extra`` keys shaped like ``rollout_logp`` (old_logp, ref_logp)."""
+    one = training_batch([[1]], [[2]], [[0.0]], [0.0], 1)
+    one.update({k: one["rollout_logp"] for k in extra})
+    names = _batch_axes(mesh, rules)
+    out = {}
+    for key, value in one.items():
+        shape = (rows,) + (length,) * (value.ndim - 1)
+        s = None if mesh is None else NamedSharding(mesh, PartitionSpec(names or None))
+        out[key] = jax.ShapeDtypeStruct(shape, value.dtype, sharding=s)
+    return out
+
+
+def train_step_programs(
+    model: Qwen3ForCausalLM,
+    objective: ObjectiveConfig,
+    train: TrainConfig,
+    optimizer: OptimizerConfig,
+    sequences: int,
+    length: int,
+    mesh: Mesh | None,
+    rules=sharding.DEFAULT_RULES,
+) -> list[Compiled]:
+    """The trainer's two jitted programs for a rollout batch of ``sequences`` x ``length``: old
+    log-probs (the whole batch, scored in micro-batch chunks) and one update (a minibatch of
+    ``sequences / num_minibatches``, accumulated over ``micro_batches``)."""
+    trainer = Trainer(model, objective, train, optimizer, mesh=mesh, rules=rules)
+    with trainer._context():
+        params = abstract_params(model, mesh, rules)
+        opt_state = jitted_outputs(trainer.tx.init, params)
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        ref = params if trainer._kl else None
+        state = TrainState(params=params, opt_state=opt_state, step=step, ref_params=ref)
+        full = abstract_batch(sequences, length, mesh, rules)
+        extra = ("old_logp", "ref_logp") if trainer._kl else ("old_logp",)
+        mini = abstract_batch(sequences // train.num_minibatches, length, mesh, rules, extra)
+        return [
+            compile_memory("old_logprobs", trainer._old_logprobs.lower(params, full)),
+            compile_memory("update", trainer._update.lower(state, mini)),
+        ]
+
+
+def engine_programs(
+    model: Qwen3ForCausalLM,
+    spec: QuantSpec,
+    engine_config: EngineConfig,
+    prompt_tokens: int,
+    mesh: Mesh | None,
+    rules=sharding.DEFAULT_RULES,
+) -> tuple[list[Compiled], int]:
+    """(the engine's prefill of ``max_prefill_batch`` prompts of ``prompt_tokens`` (bucketed) and
+    its decode step over every slot, KV-cache bytes per device) on frozen ``spec`` weights."""
+    with sharding.activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
+        frozen = jitted_outputs(lambda p: quantize_params(p, spec), abstract_params(model, mesh, rules))
+        engine = RolloutEngine(model, frozen, engine_config, mesh=mesh, rules=rules)
+        state = _abstract_state(engine, mesh)
+        rows = engine_config.max_prefill_batch
+        t = min(b for b in engine_config.length_buckets if b >= prompt_tokens)
+        tokens = jax.ShapeDtypeStruct((rows, t), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        programs = [
+            compile_memory("prefill", engine._prefill.lower(frozen, tokens, lengths)),
+            compile_memory("decode_step", engine._generate.lower(frozen, state)),
+        ]
+    return programs, engine.kv_cache_bytes_per_device()
+
+
+def _abstract_state(engine: RolloutEngine, mesh: Mesh | None) -> DecodeState:
+    """The engine's DecodeState as structs: the cache sharded as the engine places it, the rest
+    (per-slot vectors) replicated."""
+    state = jax.eval_shape(engine.empty_state)
+    if mesh is None:
+        return state
+    kv = engine._cache_sharding(state.cache.k.shape)
+    rep = NamedSharding(mesh, PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv), state.cache)
+    return dataclasses.replace(placed, cache=cache)

@@ -145,10 +145,10 @@ def activate(mesh: Mesh, rules=DEFAULT_RULES):
         yield
 
 
-def logical_to_sharding(tree, mesh: Mesh, rules=DEFAULT_RULES):
+def logical_to_sharding(tree, mesh: Mesh | AbstractMesh, rules=DEFAULT_RULES):
     """Boxed (logically partitioned) tree -> matching tree of NamedSharding (unboxed structure)."""
     specs = nn.get_partition_spec(tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)  # type: ignore[arg-type]  # flax takes AbstractMesh too
 
 
 def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:

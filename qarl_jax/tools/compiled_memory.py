@@ -124,7 +124,7 @@ def train_step_programs(
         rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         ref = params if trainer._kl else None
-        state = TrainState(params=params, opt_state=opt_state, step=step, ref_params=ref)
+        state = TrainState(params=params, opt_state=opt_state, step=step, ref_params=ref)  # type: ignore[arg-type]  # abstract
         full = abstract_batch(sequences, length, mesh, rules)
         extra = ("old_logp", "ref_logp") if trainer._kl else ("old_logp",)
         mini = abstract_batch(sequences // train.num_minibatches, length, mesh, rules, extra)

@@ -15,6 +15,10 @@ REAL_RUNS = {
     "qwen3_8b_8gpu.yaml": ("h100", 8.19e9),
     "qwen3_30b_a3b_v5p64.yaml": ("v5p", 30.5e9),
     "qwen3_30b_a3b_8gpu.yaml": ("h200", 30.5e9),
+    # 16k-token responses on math (scanned layers; their compiled plans are in the headers)
+    "qwen3_8b_16k_v5p64.yaml": ("v5p", 8.19e9),
+    "qwen3_8b_16k_8gpu.yaml": ("h200", 8.19e9),
+    "qwen3_30b_a3b_16k_8gpu.yaml": ("h200", 30.5e9),
 }
 
 

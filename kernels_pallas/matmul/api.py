@@ -66,9 +66,11 @@ def _ste_fwd(x, w_master, fmt, group_size, out_dtype, target, quantizer):
 def _ste_bwd(fmt, group_size, out_dtype, target, quantizer, res, g):
     x, w_master, wq = res
     k, n = w_master.shape
-    # the float weight is rebuilt from the integers when this cotangent arrives, not before: tied
-    # to g, XLA cannot hoist every layer's dequantized copy to the start of the backward pass
-    wq, g = lax.optimization_barrier((wq, g))
+    if wq.scales is not None:
+        # the float weight is rebuilt from the integers when this cotangent arrives, not before:
+        # tied to g, XLA cannot hoist every layer's dequantized copy to the start of the backward
+        # (bf16 has no integers: its "quantized" weight is the master itself, left to XLA to fuse)
+        wq, g = lax.optimization_barrier((wq, g))
     w = dequantize(wq, jnp.float32)
     g2 = g.reshape(-1, n).astype(jnp.float32)
     x2 = x.reshape(-1, k).astype(jnp.float32)

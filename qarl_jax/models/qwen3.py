@@ -192,13 +192,41 @@ class MoE(nn.Module):
         return out
 
 
+# Tokens per MoE chunk: a longer sequence's routed rows (tokens x top_k copies of the hidden state,
+# and their expert activations) are built and differentiated this many tokens at a time.
+MOE_CHUNK_TOKENS = 1024
+
+
 def _moe(
     x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None
 ) -> tuple[jax.Array, jax.Array]:
-    """(output [B, T, H], chosen experts [B, T, top_k] in the router's order)."""
+    """(output [B, T, H], chosen experts [B, T, top_k] in the router's order). More than
+    ``MOE_CHUNK_TOKENS`` tokens run as a scan over chunks of them, each rematerialised in the
+    backward pass: tokens are independent (dropless routing, row-wise kernels), so a token's bits
+    do not depend on the chunk it falls in."""
     b, t, hdim = x.shape
-    e, k = c.num_experts, c.num_experts_per_tok
     tokens = x.reshape(b * t, hdim).astype(c.dtype)
+    n = b * t
+    if n <= MOE_CHUNK_TOKENS:
+        out, experts = _moe_tokens(tokens, router, expert_weights, c, spec)
+    else:
+        chunks = -(-n // MOE_CHUNK_TOKENS)
+        padded = jnp.pad(tokens, ((0, chunks * MOE_CHUNK_TOKENS - n), (0, 0)))
+
+        @jax.checkpoint
+        def one(chunk):
+            return _moe_tokens(chunk, router, expert_weights, c, spec)
+
+        _, (out, experts) = jax.lax.scan(
+            lambda carry, chunk: (carry, one(chunk)), None, padded.reshape(chunks, MOE_CHUNK_TOKENS, hdim)
+        )
+        out, experts = out.reshape(-1, hdim)[:n], experts.reshape(-1, c.num_experts_per_tok)[:n]
+    return out.reshape(b, t, hdim), experts.reshape(b, t, c.num_experts_per_tok)
+
+
+def _moe_tokens(tokens, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None):
+    """(output [N, H], chosen experts [N, top_k]) of the routed experts on ``tokens`` [N, H]."""
+    e, k = c.num_experts, c.num_experts_per_tok
     logits = quant.dot(tokens, router, spec, "router")
     weights, experts = jax.lax.top_k(ops.softmax(logits), k)
     if c.norm_topk_prob:
@@ -210,12 +238,14 @@ def _moe(
     rows = tokens[order // k]
     group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
     w_gate, w_up, w_down = expert_weights
-    dot = lambda a, w: checkpoint_name(quant.grouped_dot(a, w, group_sizes, spec, "experts"), MATMUL_OUTPUT)  # noqa: E731
+
+    def dot(a, w):
+        return checkpoint_name(quant.grouped_dot(a, w, group_sizes, spec, "experts"), MATMUL_OUTPUT)
+
     gate, up = dot(rows, w_gate), dot(rows, w_up)
     out = dot(nn.silu(gate) * up, w_down)
-    out = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, hdim)
-    out = _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]).reshape(b, t, hdim)
-    return out, experts.reshape(b, t, k)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(-1, k, tokens.shape[1])
+    return _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]), experts
 
 
 def _sum_in_order(terms: list[jax.Array]) -> jax.Array:

@@ -26,10 +26,12 @@ V: vocabulary, H: hidden size, L: layers, rows: sequences per device):
   rollout      prefill of EngineConfig.max_prefill_batch prompts of data.max_prompt_tokens:
                rows x tokens x (a x c + V x c + a layer-stack's K/V) + W
   scoring      old log-probs (and the reference's with objective.kl_coef), one forward per
-               chunk of the update's micro-batch rows, one chunk's logits alive at a time:
-               rows x max_len x (a x c + V x (c + 4)) + W
-  update       one micro-batch: rows x max_len x (S x c + V x (c + 4)) + 2 W, with
+               chunk of the update's micro-batch rows:
+               rows x (max_len x a x c + head x V x (c + 4)) + W
+  update       one micro-batch: rows x (max_len x S x c + head x V x (c + 4)) + 2 W, with
                S = sum of a over layers + max a (no remat) or L x H + 2 max a (train.remat)
+               and head = the tokens of one head chunk (``rl.logprobs.head_chunk_tokens``: the
+               loss computes the logits that many tokens at a time)
 
 where a = activation elements per token of one layer, kept for the backward: 4 H + 4 (q_heads +
 kv_heads) x head_dim + 4 x intermediate (dense MLP) or experts + top_k x (2 H + 4 x
@@ -66,6 +68,7 @@ from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
 from qarl_jax.errors import PlanError
 from qarl_jax.models import KVCache, Qwen3Config, Qwen3ForCausalLM, preset
 from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig
 from qarl_jax.rollout.engine import bucket
@@ -237,11 +240,14 @@ def plan(
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * cb
     rows = _batch_sizes(config, ways)
     saved = c.num_hidden_layers * c.hidden_size + 2 * a if config.train.remat else sum(layers) + a
-    logits = c.vocab_size * (cb + 4)
+
+    def logits(rows: int) -> int:  # one head chunk's logits (compute dtype) and f32 log-softmax
+        return rows * head_chunk_tokens(rows, r.max_len, c.vocab_size) * c.vocab_size * (cb + 4)
+
     phases = dict(
         rollout=prefill_rows * prompt * (a * cb + c.vocab_size * cb + kv_token) + gathered,
-        scoring=rows["scoring"] * r.max_len * (a * cb + logits) + gathered,
-        update=rows["micro"] * r.max_len * (saved * cb + logits) + 2 * gathered,
+        scoring=rows["scoring"] * r.max_len * a * cb + logits(rows["scoring"]) + gathered,
+        update=rows["micro"] * r.max_len * saved * cb + logits(rows["micro"]) + 2 * gathered,
     )
     peak = max(PHASES, key=lambda name: phases[name])
     total = sum(persistent.values()) + phases[peak]

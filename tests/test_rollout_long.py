@@ -1,5 +1,6 @@
 """Long rollouts: chunked prefill (same bits as one whole-prompt call), the engine's KV-cache bytes
-per device, and XLA's compiled memory of the run's programs (``memory_plan --compiled``)."""
+per device, and XLA's compiled memory of the run's programs (``memory_plan --compiled``, which
+found the optimizer state replicated: its placement is tested here too)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import pathlib
 
 import jax
 import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.quant import QuantSpec, quantize_params
+from qarl_jax.rl.objectives import ObjectiveConfig
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
 from qarl_jax.rollout import EngineConfig, RolloutEngine
 from qarl_jax.tools.memory_plan import main
 
@@ -68,3 +73,30 @@ def test_memory_plan_compiled_prints_xla_memory(capsys):
     for program in ("old_logprobs", "update", "prefill", "decode_step"):
         assert f"  {program}" in out
     assert "compiled total" in out and "fits" in out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
+    """jit(tx.init) alone replicated the moments on every device (their zeros read no input);
+    Trainer.init_state places each like its parameter."""
+    mesh_cfg = sharding.MeshConfig(data=1, fsdp=8)
+    mesh = sharding.make_mesh(mesh_cfg)
+    model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1))
+    with sharding.activate(mesh, mesh_cfg.rules):
+        params = sharding.init_sharded(model, jax.random.key(0), mesh, mesh_cfg.rules)
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(name=optimizer), mesh=mesh)
+    state = trainer.init_state(params)
+
+    def names(path):
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    like = {names(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
+    moments = []
+    for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
+        n = names(path)
+        p = next((like[n[i:]] for i in range(len(n)) if n[i:] in like), None)
+        if p is not None and p.shape == x.shape and x.ndim:
+            moments.append((x, p))
+    assert len(moments) >= len(like)  # at least one moment per parameter
+    assert all(x.sharding == p.sharding for x, p in moments)
+    assert any(x.sharding.spec != P() for x, _ in moments)

@@ -4,7 +4,11 @@ found the optimizer state replicated: its placement is tested here too)."""
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -19,7 +23,8 @@ from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
 from qarl_jax.rollout import EngineConfig, RolloutEngine
 from qarl_jax.tools.memory_plan import main
 
-CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
+REPO = pathlib.Path(__file__).parents[1]
+CONFIGS = REPO / "configs"
 
 
 def test_chunked_prefill_is_bitwise_the_whole_prompt_prefill():
@@ -100,3 +105,15 @@ def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
     assert len(moments) >= len(like)  # at least one moment per parameter
     assert all(x.sharding == p.sharding for x, p in moments)
     assert any(x.sharding.spec != P() for x, _ in moments)
+
+
+def test_long_context_benchmark_runs_at_a_tiny_shape(tmp_path):
+    """benchmarks/long_context.py's memory section at toy shapes (the real ones are minutes of
+    compiles): it writes its JSON with one row per length and the growth beside it."""
+    out = tmp_path / "lc.json"
+    cmd = [sys.executable, "benchmarks/long_context.py", "--tiny", "--sections", "memory", "--json", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["memory"]
+    assert [r["length"] for r in rows] == [64, 256]
+    assert rows[0]["temp_gb"] > 0 and rows[1]["growth_per_4x"] == rows[1]["temp_gb"] / rows[0]["temp_gb"]

@@ -29,6 +29,7 @@ import time
 import jax
 import numpy as np
 
+import kernels_pallas
 from qarl_jax import quant
 from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, save_pretrained
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
@@ -47,12 +48,14 @@ CPU_SHAPE = dict(
 )
 GPU_SHAPE = {k: getattr(PRESETS["qwen3-1.7b"], k) for k in CPU_SHAPE}  # the same fields, Qwen3-1.7B
 FORMATS = ("bf16", "w8a8", "w4a16")
+NAIVE_FORMATS = ("bf16", "w4a16")  # also run on XLA's own ops (backend "xla"), as the naive program
 TIE_GAP = 1e-4
 
 
-def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, repeats: int):
-    """(tokens [B, new], best tokens/s, compile+first-run seconds, quantize+engine-build seconds) of
-    our engine in ``fmt``."""
+def engine_runner(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, backend=None):
+    """(run() -> tokens [B, new], compile+first-run seconds, quantize+engine-build seconds) of our
+    engine in ``fmt``; ``backend`` "xla" traces it with XLA's own (non-invariant) ops instead of the
+    invariant kernels."""
     setup = time.perf_counter()
     spec = quant.QuantSpec(fmt)
     model = Qwen3ForCausalLM(config, quant=spec)
@@ -63,25 +66,34 @@ def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: 
         frozen,
         EngineConfig(slots=b, max_len=t + new, prefill_buckets=(t,), max_prefill_batch=min(b, 32)),
     )
-    run = lambda: rollout(
-        engine, prompts.tolist(), max_new_tokens=new, sampling=GREEDY, ignore_eos=True, progress=False
-    )
+
+    def run():
+        with kernels_pallas.default_backend(backend):  # read while the engine's calls are traced
+            out = rollout(
+                engine, prompts.tolist(), max_new_tokens=new, sampling=GREEDY, ignore_eos=True, progress=False
+            )
+        return np.asarray([s[0].tokens for s in out])
+
     start = time.perf_counter()
     setup = start - setup
-    out = run()
-    first = time.perf_counter() - start
-    best = float("inf")
+    run()
+    return run, time.perf_counter() - start, setup
+
+
+def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, repeats: int):
+    """(tokens [B, new], best tokens/s, compile+first-run seconds, quantize+engine-build seconds) of
+    our engine in ``fmt``."""
+    run, first, setup = engine_runner(config, params, fmt, prompts, new)
+    best, tokens = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
-        out = run()
+        tokens = run()
         best = min(best, time.perf_counter() - start)
-    tokens = np.asarray([s[0].tokens for s in out])
-    engine.release()
-    return tokens, b * new / best, first, setup
+    return tokens, prompts.shape[0] * new / best, first, setup
 
 
-def hf_run(path: str, prompts: np.ndarray, new: int, repeats: int):
-    """(tokens, best tokens/s, per-step top-2 logit gaps [B, new]) of transformers ``generate``."""
+def hf_runner(path: str, prompts: np.ndarray, new: int):
+    """(run() -> tokens [B, new], per-step top-2 logit gaps [B, new]) of transformers ``generate``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,15 +104,15 @@ def hf_run(path: str, prompts: np.ndarray, new: int, repeats: int):
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
     with torch.no_grad():
         model.generate(x, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(x, **kw)
-            best = min(best, time.perf_counter() - start)
         scored = model.generate(x, **kw, output_logits=True, return_dict_in_generate=True)
     top2 = torch.stack(scored.logits, 1).float().topk(2, dim=-1).values
     gaps = (top2[..., 0] - top2[..., 1]).numpy()
-    return out[:, prompts.shape[1] :].numpy(), prompts.shape[0] * new / best, gaps
+
+    def run():
+        with torch.no_grad():
+            return model.generate(x, **kw)[:, prompts.shape[1] :].numpy()
+
+    return run, gaps
 
 
 def compare(ours: np.ndarray, ref: np.ndarray, gaps: np.ndarray) -> dict:
@@ -117,29 +129,53 @@ def compare(ours: np.ndarray, ref: np.ndarray, gaps: np.ndarray) -> dict:
     return {"rows_equal": equal, "rows_diverged_at_near_tie": tied, "rows_diverged_otherwise": other}
 
 
-def cpu_benchmark(batch: int, prompt_len: int, new: int, repeats: int) -> dict:
+def cpu_benchmark(batch: int, prompt_len: int, new: int, rounds: int) -> dict:
+    """HF ``generate`` and every engine, interleaved: each round runs each of them once, in the same
+    order, so a machine that drifts (other load, clocks) cannot favour one side; each ratio is taken
+    round by round and its median reported. The "xla" engines run XLA's own non-invariant ops (the
+    naive program): ours / theirs is what the invariance costs."""
     config = Qwen3Config(**CPU_SHAPE)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).astype(np.int32)
     with tempfile.TemporaryDirectory() as path:
         save_pretrained(path, config, params)
-        ref_tokens, ref_tps, gaps = hf_run(path, prompts, new, repeats)
+        hf, gaps = hf_runner(path, prompts, new)
+    runners = {"hf": (hf, 0.0, 0.0)}
+    for fmt in FORMATS:
+        runners[fmt] = engine_runner(config, params, fmt, prompts, new)
+    for fmt in NAIVE_FORMATS:
+        runners[f"{fmt}/xla"] = engine_runner(config, params, fmt, prompts, new, backend="xla")
+    seconds = {name: [] for name in runners}
+    tokens = {}
+    for _ in range(rounds):
+        for name, (run, *_) in runners.items():
+            start = time.perf_counter()
+            tokens[name] = run()
+            seconds[name].append(time.perf_counter() - start)
+    hf_s = np.asarray(seconds["hf"])
     report = {
         "shape": "qwen3 3.3M (hidden 256, 4 layers, vocab 512)",
         "batch": batch,
         "prompt": prompt_len,
         "new_tokens": new,
-        "hf_generate_tokens_per_s": round(ref_tps, 1),
+        "rounds": rounds,
+        "hf_generate_tokens_per_s": round(batch * new / float(np.median(hf_s)), 1),
     }
-    for fmt in FORMATS:
-        tokens, tps, first, _ = engine_run(config, params, fmt, prompts, new, repeats)
-        report[fmt] = {
-            "tokens_per_s": round(tps, 1),
-            "speedup_vs_hf": round(tps / ref_tps, 2),
-            "first_run_s": round(first, 1),
-            **compare(tokens, ref_tokens, gaps),
+    for name in runners:
+        if name == "hf":
+            continue
+        s = np.asarray(seconds[name])
+        report[name] = {
+            "tokens_per_s": round(batch * new / float(np.median(s)), 1),
+            "speedup_vs_hf": round(float(np.median(hf_s / s)), 2),  # round by round
+            "first_run_s": round(runners[name][1], 1),
+            **compare(tokens[name], tokens["hf"], gaps),
         }
-        print(fmt, report[fmt], flush=True)
+        fmt, _, naive = name.partition("/")
+        if not naive and fmt in NAIVE_FORMATS:
+            ratio = np.asarray(seconds[f"{fmt}/xla"]) / s
+            report[name]["vs_naive_xla"] = round(float(np.median(ratio)), 2)  # < 1: invariance costs
+        print(name, report[name], flush=True)
     return report
 
 
@@ -249,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="sweep: stop starting runs after this")
     parser.add_argument("--batches", default="16,64,256", help="sweep batch sizes")
     parser.add_argument("--formats", default=",".join(FORMATS), help="sweep: our engine's formats")
-    parser.add_argument("--repeats", type=int, default=3, help="CPU mode: timed runs (best is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="CPU mode: interleaved rounds (medians)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     if args.hf and not (args.gpu_shape or args.small_sweep):

@@ -32,24 +32,26 @@ import numpy as np
 
 from qarl_jax import quant
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.rl.batch import RolloutBatch
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
 
 
-def _batch(vocab: int, n: int, length: int, prompt: int, seed: int = 0) -> dict[str, np.ndarray]:
+def _batch(vocab: int, n: int, length: int, prompt: int, seed: int = 0) -> RolloutBatch:
     """Full rows: ``prompt`` prompt targets, then response targets (masked in) to the end."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, (n, length + 1), dtype=np.int32)
     mask = np.zeros((n, length), np.float32)
     mask[:, prompt - 1 :] = 1.0
-    return {
-        "tokens": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (n, length)).copy(),
-        "segment_ids": np.ones((n, length), np.int32),
-        "mask": mask,
-        "advantages": rng.standard_normal(n).astype(np.float32),
-    }
+    return RolloutBatch(
+        tokens=tokens[:, :-1],
+        targets=tokens[:, 1:],
+        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (n, length)).copy(),
+        segment_ids=np.ones((n, length), np.int32),
+        mask=mask,
+        rollout_logp=np.zeros((n, length), np.float32),  # replaced by the old log-probs (aligned)
+        advantages=rng.standard_normal(n).astype(np.float32),
+    )
 
 
 def _time_updates(model, params, batch, repeats: int) -> tuple[float, float]:
@@ -57,7 +59,7 @@ def _time_updates(model, params, batch, repeats: int) -> tuple[float, float]:
     trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-5))
     state = trainer.init_state(params)
     old = trainer.old_logprobs(state.params, trainer.shard_batch(batch))
-    mb = trainer.shard_batch(dict(batch, rollout_logp=np.asarray(old), old_logp=np.asarray(old)))
+    mb = trainer.shard_batch(batch.replace(rollout_logp=np.asarray(old), old_logp=np.asarray(old)))
     t = time.perf_counter()
     state, m = trainer.update(state, mb)
     jax.block_until_ready(m)

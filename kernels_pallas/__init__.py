@@ -9,6 +9,7 @@ Layout, one package per operation, each with the same modules::
     <op>/cpu.py        plain JAX over fixed row blocks
     <op>/gpu.py        Pallas-Triton
     <op>/tpu.py        Pallas Mosaic
+    <op>/xla.py        XLA's own ops: fast, NOT batch-invariant (to measure what invariance costs)
     <op>/common.py     what the op's paths share
 
     matmul/      dense quantized matmul (+ ``tuned.py``, the GPU's measured block table)
@@ -17,7 +18,8 @@ Layout, one package per operation, each with the same modules::
     rowwise/     RMSNorm, RoPE, the tempered log-sum-exp, log-softmax, token log-probs
 
     formats.py     the int8 / int4 data contract every backend reads
-    _backend.py    resolve the backend and load its module lazily (the one place)
+    _backend.py    resolve the backend and load its module lazily (the one place);
+                   ``default_backend(name)`` sets it for calls traced within a block
     _checks.py     operand checks, one per operand kind
     _tiling.py     block sizes, powers of two, padding
     _rowblocks.py  the CPU path's one row-block loop
@@ -27,6 +29,7 @@ Imports nothing but JAX (and numpy, which JAX requires); a backend's Pallas modu
 its first call.
 """
 
+from kernels_pallas._backend import default_backend
 from kernels_pallas.formats import (
     FORMATS,
     QuantizedWeight,
@@ -41,6 +44,7 @@ from kernels_pallas.matmul import quantized_matmul, quantized_matmul_ste, refere
 __all__ = [
     "FORMATS",
     "QuantizedWeight",
+    "default_backend",
     "dequantize",
     "grouped_matmul",
     "grouped_matmul_ste",

@@ -1,7 +1,8 @@
 """The one place a backend is chosen and its kernels are loaded.
 
 Every operation is a package with one module per backend (``cpu``, ``gpu``: Pallas-Triton, ``tpu``:
-Pallas Mosaic). A backend module is imported on its first call, so importing ``kernels_pallas``
+Pallas Mosaic; ``xla``: XLA's own ops, fast but NOT batch-invariant, to measure what the invariance
+costs). A backend module is imported on its first call, so importing ``kernels_pallas``
 never imports Pallas' Triton or Mosaic front ends, and a machine without one still runs the others.
 
 Every public function takes the same keyword :class:`Options` (backend, interpreter, tiling);
@@ -10,17 +11,21 @@ they resolve to a :class:`Target`, hashable so custom VJPs can take it as a stat
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import jax
 
-BACKENDS = ("cpu", "gpu", "tpu")
+BACKENDS = ("cpu", "gpu", "tpu", "xla")
+_PALLAS = ("gpu", "tpu")
+_DEFAULT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_pallas_backend", default=None)
 _NOT_KNOBS = ("out_dtype", "interpret", "eps", "theta", "block_v", "block_kv")  # a kernel's other keywords
 Knob = int | bool | str
 
@@ -30,7 +35,8 @@ class Options(TypedDict, total=False):
     runs: pass the same ones to every call whose rows are compared. A knob the backend's kernel
     does not have is an error; None keeps the default.
 
-    backend     "cpu" (plain JAX), "gpu" (Pallas-Triton) or "tpu" (Pallas Mosaic); None or absent:
+    backend     "cpu" (plain JAX), "gpu" (Pallas-Triton), "tpu" (Pallas Mosaic) or "xla" (XLA's
+                own ops, not invariant); None or absent: :func:`default_backend`'s, else
                 ``jax.default_backend()``
     interpret   run the GPU/TPU kernel in Pallas' interpreter (on a CPU)
     block_rows  CPU: rows (attention: query tokens) per block
@@ -52,9 +58,23 @@ class Options(TypedDict, total=False):
     int_dot: str | None
 
 
+@contextlib.contextmanager
+def default_backend(backend: str | None) -> Iterator[None]:
+    """Within the block, calls that name no backend use ``backend`` (None: JAX's default). Read
+    when a call is traced: a jitted function keeps the kernels it was first traced with. Used to
+    run a whole model on the ``xla`` backend, e.g. to time what the invariant kernels cost."""
+    if backend is not None:
+        resolve(backend)
+    token = _DEFAULT.set(backend)
+    try:
+        yield
+    finally:
+        _DEFAULT.reset(token)
+
+
 def resolve(backend: str | None) -> str:
-    """``backend``, or the default JAX backend's name when None."""
-    backend = jax.default_backend() if backend is None else backend
+    """``backend``, or (when None) :func:`default_backend`'s, else the default JAX backend's name."""
+    backend = backend or _DEFAULT.get() or jax.default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     return backend
@@ -95,22 +115,22 @@ class Target:
             raise TypeError(
                 f"the {self.backend} {op}.{name} kernel has no tiling knob {unknown[0]!r}; takes {accepted}"
             )
-        if self.backend != "cpu":
+        if self.backend in _PALLAS:
             knobs["interpret"] = self.interpret
         return functools.partial(fn, **knobs)
 
 
 def target(options: Options) -> Target:
     """The :class:`Target` of a public call's options."""
-    options = dict(options)
-    unknown = sorted(set(options) - set(Options.__annotations__))
+    given: dict[str, Any] = dict(options)
+    unknown = sorted(set(given) - set(Options.__annotations__))
     if unknown:
         raise TypeError(f"unknown option {unknown[0]!r}; the options are {sorted(Options.__annotations__)}")
-    backend = resolve(options.pop("backend", None))
-    interpret = bool(options.pop("interpret", False))
-    if interpret and backend == "cpu":
+    backend = resolve(given.pop("backend", None))
+    interpret = bool(given.pop("interpret", False))
+    if interpret and backend not in _PALLAS:
         raise ValueError(
             "interpret=True runs a Pallas kernel in its interpreter: pass backend='gpu' or 'tpu'"
         )
-    knobs = tuple(sorted((k, v) for k, v in options.items() if v is not None))
+    knobs = tuple(sorted((k, v) for k, v in given.items() if v is not None))
     return Target(backend, interpret, knobs)

@@ -7,13 +7,16 @@ interpret mode against the references. Their speed on real TPUs is unmeasured.
 
 from __future__ import annotations
 
+from typing import Final, Literal
+
 from jax.experimental.pallas import tpu as _pltpu
 
-PARALLEL, ARBITRARY = "parallel", "arbitrary"
+PARALLEL: Final = "parallel"
+ARBITRARY: Final = "arbitrary"
 SUBLANES, LANES = 8, 128  # a 32-bit VMEM tile
 
 
-def compiler_params(*semantics: str) -> _pltpu.CompilerParams:
+def compiler_params(*semantics: Literal["parallel", "arbitrary"]) -> _pltpu.CompilerParams:
     """Mosaic parameters: grid axes' semantics (a reduction axis is 'arbitrary': it runs in order)."""
     return _pltpu.CompilerParams(dimension_semantics=semantics)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,13 +41,14 @@ class Blocks:
     swap_ab: bool = False
     int_dot: str = "int8"
 
-    def override(self, allowed: tuple[str, ...] | None = None, **knobs: int | bool | str | None) -> Blocks:
+    def override(self, allowed: tuple[str, ...] | None = None, /, **knobs: int | bool | str | None) -> Blocks:
         """These blocks with the caller's non-None knobs (only the ``allowed`` fields, if given)."""
         allowed = allowed or tuple(f.name for f in dataclasses.fields(self))
         unknown = sorted(set(knobs) - set(allowed))
         if unknown:
             raise TypeError(f"this kernel has no tiling knob {unknown[0]!r}; it takes {list(allowed)}")
-        return dataclasses.replace(self, **{k: v for k, v in knobs.items() if v is not None})
+        changes: dict[str, Any] = {k: v for k, v in knobs.items() if v is not None}  # one type per field
+        return dataclasses.replace(self, **changes)
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 1) -> int | None:

@@ -159,7 +159,8 @@ def first_line(e: BaseException) -> str:
 def read_failure(e: BaseException, where: pathlib.Path) -> DamagedCheckpoint:
     """A failed orbax read as a one-line report naming the array whose data did not decode (from
     TensorStore's spec in the message: its key inside the OCDBT store) and the state directory."""
-    chain, cause = [], e
+    chain: list[str] = []
+    cause: BaseException | None = e
     while cause is not None and len(chain) < 8:
         chain.append(str(cause))
         cause = cause.__cause__ or cause.__context__

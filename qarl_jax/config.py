@@ -10,6 +10,7 @@ import dataclasses
 import pathlib
 import types
 import typing
+import warnings
 from typing import Any
 
 import yaml
@@ -19,6 +20,7 @@ from qarl_jax.errors import ConfigError
 from qarl_jax.models.config import PRESETS, REMAT_POLICIES
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rewards import GRADERS
+from qarl_jax.rl.advantages import ADVANTAGES, STDS
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig
 from qarl_jax.sharding import MeshConfig
@@ -66,27 +68,44 @@ class RolloutConfig:
     samples_per_prompt: int = 8
     max_new_tokens: int = 32
     temperature: float = 1.0  # must equal train.temperature (the loss scores the same distribution)
-    advantage: str = "grpo"  # grpo | dr_grpo (see qarl_jax.rl.advantages)
+    # auto (the objective's: dr_grpo for objective dr_grpo, else grpo) | grpo (r - mean) / std |
+    # dr_grpo (r - mean); see qarl_jax.rl.advantages
+    advantage: str = "auto"
+    advantage_std: str = "sample"  # sample (divides by G - 1, as verl / Tunix) | population (by G)
     slots: int = 64  # engine decode slots
     max_len: int = 64  # prompt + response tokens per slot; also the training batch length
+    # DAPO's data side (qarl_jax.rl.dapo), each off by default:
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts
+    max_resample_rounds: int = 3  # at most this many more prompt batches per step (dynamic_sampling)
+    overlong_buffer: int = 0  # soft overlong punishment over the last this-many tokens; 0: off
+    overlong_penalty: float = 1.0  # the reward lost at max_new_tokens (overlong_buffer)
 
     def __post_init__(self):
         for name in ("samples_per_prompt", "max_new_tokens", "slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens or self.overlong_penalty < 0:
+            raise ValueError(
+                f"overlong_buffer ({self.overlong_buffer}) must be in [0, max_new_tokens="
+                f"{self.max_new_tokens}] and overlong_penalty ({self.overlong_penalty}) >= 0"
+            )
+        if self.advantage_std not in STDS:
+            raise ValueError(f"advantage_std must be one of {STDS}, got {self.advantage_std!r}")
         if self.max_len <= self.max_new_tokens:
             raise ValueError(f"max_len ({self.max_len}) must exceed max_new_tokens ({self.max_new_tokens})")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.advantage not in ("grpo", "dr_grpo"):
-            raise ValueError(f"advantage must be 'grpo' or 'dr_grpo', got {self.advantage!r}")
+        if self.advantage not in ("auto",) + ADVANTAGES:
+            raise ValueError(f"advantage must be one of {('auto',) + ADVANTAGES}, got {self.advantage!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Length, cadence and where the run directory (metrics, checkpoints, config) lives."""
 
-    steps: int = 240  # ~3 min on 2 CPU cores; reward +0.17..0.21 (first vs last 20%) in seeds 0-2
+    steps: int = 240  # reward +0.17..0.20 (first vs last 20%) in seeds 0-2, four updates per batch
     output_dir: str = "runs/default"
     overwrite: bool = False  # replace a run directory that has logs but no checkpoint to resume
     log_every: int = 1  # progress-bar refresh; every step is written to metrics.jsonl
@@ -148,7 +167,9 @@ class Config:
     rollout: RolloutConfig = RolloutConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-5)  # 3e-4 collapses the SFT policy
-    train: TrainConfig = TrainConfig()
+    # four updates per rollout batch: the policy moves within the batch, so TBPO's clip and trust band
+    # act (with one update rho == 1 exactly and they never do)
+    train: TrainConfig = TrainConfig(num_minibatches=4)
     run: RunConfig = RunConfig()
     alignment: AlignmentConfig = AlignmentConfig()
 
@@ -169,6 +190,18 @@ class Config:
                 f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
                 f"({self.rollout.temperature}): the loss scores the distribution the rollout sampled"
             )
+        implied = self.objective.spec.advantage
+        if self.rollout.advantage not in ("auto", implied):
+            warnings.warn(
+                f"rollout.advantage={self.rollout.advantage!r} but objective.name={self.objective.name!r} "
+                f"implies {implied!r} advantages (rollout.advantage=auto follows the objective)",
+                stacklevel=2,
+            )
+
+    @property
+    def advantage(self) -> str:
+        """The advantage estimator: rollout.advantage, or with ``auto`` the objective's."""
+        return self.objective.spec.advantage if self.rollout.advantage == "auto" else self.rollout.advantage
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -186,7 +219,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{key}: {value!r} matches none of {tp}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return _build(tp, value, key + ".")
@@ -274,7 +307,9 @@ def parse_overrides(overrides: list[str]) -> dict:
     return out
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (), cls=Config):
+def load_config(
+    path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = (), cls=Config
+):
     """Embedded defaults <- YAML file <- overrides, validated into ``cls``."""
     values = to_dict(cls())
     if path is not None:

@@ -134,15 +134,18 @@ def _replicate(mesh: Mesh):
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def global_batch(batch: dict[str, np.ndarray], mesh: Mesh, rules) -> dict:
-    """Every process's rows of the training batch -> one array per key, rows over the mesh's batch
-    axes (process-major). One process: the host batch as is (the trainer places it)."""
+def global_batch(batch, mesh: Mesh | None, rules):
+    """Every process's rows of the training batch (a pytree of host arrays, rows first) -> one
+    global array per leaf, rows over the mesh's batch axes (process-major). One process: the host
+    batch as is (the trainer places it)."""
     if jax.process_count() == 1:
         return batch
-    return {
-        k: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim, rules), v)
-        for k, v in batch.items()
-    }
+    if mesh is None:
+        raise DistributedError("global_batch: a multi-process run needs the trainer's mesh, got None")
+    return jax.tree.map(
+        lambda v: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim, rules), v),
+        batch,
+    )
 
 
 def gather(tree):

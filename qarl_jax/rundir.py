@@ -21,6 +21,7 @@ import pathlib
 import shutil
 import socket
 import sys
+from typing import TextIO
 
 from qarl_jax.errors import ConfigError, RunDirError
 
@@ -44,7 +45,7 @@ class RunLock:
 
     def __init__(self, run_dir: pathlib.Path):
         self.path = run_dir / LOCK_FILE
-        self._file = None
+        self._file: TextIO | None = None
 
     def __enter__(self) -> RunLock:
         try:

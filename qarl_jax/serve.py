@@ -32,8 +32,8 @@ def eos_ids(tokenizer, explicit: list[int] | None) -> tuple[int, ...]:
     """--eos-id values, else the ids of Qwen3's end tokens in the tokenizer."""
     if explicit:
         return tuple(explicit)
-    found = [tokenizer.token_to_id(t) for t in STOP_TOKENS] if tokenizer is not None else []
-    found = tuple(i for i in found if i is not None)
+    ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS] if tokenizer is not None else []
+    found = tuple(i for i in ids if i is not None)
     if not found:
         raise ServeError(
             "no stop token: the checkpoint has no tokenizer with <|im_end|>/<|endoftext|>; pass --eos-id"

@@ -74,10 +74,8 @@ def batches(config: SftConfig, tokenizer):
 
 def make_step(model: Qwen3ForCausalLM, tx: optax.GradientTransformation):
     def loss_fn(params, batch):
-        logp = policy_logprobs(
-            model, params, batch["tokens"], batch["positions"], batch["segment_ids"], batch["targets"]
-        )
-        return -jnp.sum(logp * batch["mask"]) / jnp.sum(batch["mask"])
+        logp = policy_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids, batch.targets)
+        return -jnp.sum(logp * batch.mask) / jnp.sum(batch.mask)
 
     @jax.jit
     def step(params, opt_state, batch):

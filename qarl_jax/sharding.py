@@ -12,12 +12,16 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from qarl_jax.models.qwen3 import Qwen3ForCausalLM
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -80,7 +84,7 @@ def mesh_axis_names(axes: str | Sequence[str] | None) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def axis_ways(axes: str | Sequence[str] | None, mesh: Mesh | Mapping[str, int]) -> int:
+def axis_ways(axes: str | Sequence[str] | None, mesh: Mesh | AbstractMesh | Mapping[str, int]) -> int:
     """Into how many shards a PartitionSpec entry splits a dimension on ``mesh`` (a mesh, an
     abstract mesh or a mapping of axis sizes)."""
     shape = mesh if isinstance(mesh, Mapping) else mesh.shape
@@ -89,10 +93,12 @@ def axis_ways(axes: str | Sequence[str] | None, mesh: Mesh | Mapping[str, int]) 
 
 def batch_axes(rules: Rules | None = None) -> tuple[str, ...]:
     """The mesh axes the logical "batch" axis maps to (``rules`` None: Flax's active rules)."""
-    return mesh_axis_names(nn.logical_to_mesh_axes(("batch",), rules)[0])
+    spec = nn.logical_to_mesh_axes(("batch",), rules)
+    assert spec is not None, "a spec is None only for None axis names"
+    return mesh_axis_names(spec[0])
 
 
-def batch_ways(mesh: Mesh | Mapping[str, int], rules: Rules | None = None) -> int:
+def batch_ways(mesh: Mesh | AbstractMesh | Mapping[str, int], rules: Rules | None = None) -> int:
     """How many devices split the batch rows: the product of the batch axes' sizes. Every place
     that shards sequences (kernels per device, the trainer's batch, the engine's slots, the memory
     plan) counts it here, so they agree on which row lands where."""
@@ -113,12 +119,13 @@ def batch_sharding(
 def fitting_spec(
     shape: Sequence[int],
     logical: Sequence[str | None],
-    mesh: Mesh | Mapping[str, int],
+    mesh: Mesh | AbstractMesh | Mapping[str, int],
     rules: Rules | None = None,
 ) -> PartitionSpec:
     """The PartitionSpec of ``logical`` axis names under ``rules``, with every dimension its mesh
     axes do not divide evenly left replicated (no padding shards)."""
     spec = nn.logical_to_mesh_axes(tuple(logical), rules)
+    assert spec is not None, "a spec is None only for None axis names"
     return PartitionSpec(
         *(axes if d % axis_ways(axes, mesh) == 0 else None for d, axes in zip(shape, spec, strict=True))
     )
@@ -138,10 +145,10 @@ def activate(mesh: Mesh, rules=DEFAULT_RULES):
         yield
 
 
-def logical_to_sharding(tree, mesh: Mesh, rules=DEFAULT_RULES):
+def logical_to_sharding(tree, mesh: Mesh | AbstractMesh, rules=DEFAULT_RULES):
     """Boxed (logically partitioned) tree -> matching tree of NamedSharding (unboxed structure)."""
     specs = nn.get_partition_spec(tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)  # type: ignore[arg-type]  # flax takes AbstractMesh too
 
 
 def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
@@ -150,7 +157,7 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     return logical_to_sharding(abstract, mesh, rules)["params"]
 
 
-def init_sharded(model: nn.Module, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+def init_sharded(model: Qwen3ForCausalLM, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """Initialise parameters directly in their shards (no device ever holds the whole model)."""
     from qarl_jax.models.qwen3 import init_fn  # the models import this module (per-device kernels)
 

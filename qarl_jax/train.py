@@ -21,7 +21,8 @@ import functools
 import json
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,8 +44,8 @@ from qarl_jax.errors import ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
+from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
-from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.train_step import Trainer, TrainState
 from qarl_jax.rollout import RolloutEngine, SamplingParams, rollout
 from qarl_jax.runlog import MetricsLog
@@ -64,8 +65,8 @@ class Loop:
     engine: RolloutEngine
     tokenizer: object
     grader: Grader
-    quantize: object  # jitted params -> frozen weights
-    place: object  # frozen weights -> the engine's layout (distributed.local_replica)
+    quantize: Callable[[Any], Any]  # jitted params -> frozen weights
+    place: Callable[[Any], Any]  # frozen weights -> the engine's layout (distributed.local_replica)
     evaluate: Evaluator
 
     def generate(
@@ -73,47 +74,77 @@ class Loop:
     ):
         """samples[prompt][sample] from the engine's current frozen weights; the prompts are
         numbered from ``first`` in the sample keys."""
-        prompts = [p.tolist() for p in prompts]
+        lists = [p.tolist() for p in prompts]
         max_new = self.config.rollout.max_new_tokens
-        ids = range(first, first + len(prompts))
-        return rollout(self.engine, prompts, n, max_new, sampling, seed, prompt_ids=ids, progress=False)
+        ids = range(first, first + len(lists))
+        return rollout(self.engine, lists, n, max_new, sampling, seed, prompt_ids=ids, progress=False)
 
     def score(self, samples, answers: Sequence[str]) -> np.ndarray:
         return score(self.tokenizer, self.grader, self.config.rewards.kind, samples, answers)
 
-    def step(self, state, batch: dict, step: int):
-        """One RL step on this process's prompt batch; returns the new state and the step's metrics
-        (over every process's samples)."""
+    def draw(self, batch: dict, seed: int, round_: int = 0, timing: list | None = None) -> dapo.Groups:
+        """G samples of each prompt of ``batch``, graded; ``rewards`` add the soft overlong
+        punishment when ``rollout.overlong_buffer`` is set. Round r > 0 (dynamic sampling's
+        refills) numbers its prompts after every earlier round's on every host. Appends (seconds
+        generating, tokens generated) to ``timing``."""
+        r = self.config.rollout
+        prompts = batch["prompt_ids"]
+        first = (round_ * jax.process_count() + jax.process_index()) * len(prompts)  # no two share keys
+        start = time.perf_counter()
+        samples = self.generate(prompts, r.samples_per_prompt, SamplingParams(r.temperature), seed, first)
+        if timing is not None:
+            timing.append((time.perf_counter() - start, sum(s.length for group in samples for s in group)))
+        scores = self.score(samples, batch["answer"])
+        lengths = np.asarray([[s.length for s in group] for group in samples])
+        rewards = scores + dapo.overlong_penalty(
+            lengths, r.max_new_tokens, r.overlong_buffer, r.overlong_penalty
+        )
+        return dapo.Groups([p.tolist() for p in prompts], samples, scores, rewards)
+
+    def step(self, state, batch: dict, step: int, more: Callable[[], dict] | None = None):
+        """One RL step on this process's prompt batch (``more()``: the next one, for dynamic
+        sampling's refills); returns the new state and the step's metrics (over every process's
+        samples; rewards, lengths and truncation are those of the step's first draw, as without
+        dynamic sampling)."""
         c = self.config
         seed = step_seed(c.seed, step)
         start = time.perf_counter()
-        prompts, answers = batch["prompt_ids"], batch["answer"]
-        sampling = SamplingParams(c.rollout.temperature)
-        first = jax.process_index() * len(prompts)  # global prompt numbers: no two hosts share keys
-        samples = self.generate(prompts, c.rollout.samples_per_prompt, sampling, seed, first)
-        rollout_s = time.perf_counter() - start
-        rewards = self.score(samples, answers)
-        adv = np.asarray(group_advantages(rewards, c.rollout.advantage)).reshape(-1)
-        flat = [s for group in samples for s in group]
-        repeated = [p for p, group in zip(prompts, samples, strict=True) for _ in group]
-        # the log-probs of the distribution sampled from: the policy at the rollout's temperature
-        logp = [s.sampling_logprobs for s in flat]
-        train_batch = training_batch(repeated, [s.tokens for s in flat], logp, adv, c.rollout.max_len)
+        timing: list[tuple[float, int]] = []  # (seconds generating, tokens generated) per draw
+        drawn = self.draw(batch, seed, timing=timing)
+        groups = drawn
+        dynamic: dict[str, float] = {}
+        if c.rollout.dynamic_sampling:
+            if more is None:
+                raise ValueError("rollout.dynamic_sampling needs more prompt batches to refill from")
+            refill = lambda r: self.draw(more(), seed, r, timing)
+            groups, dynamic = dapo.dynamic_sampling(drawn, refill, len(drawn), c.rollout.max_resample_rounds)
+        rollout_s, tokens = np.sum(timing, axis=0)
+        adv = np.asarray(group_advantages(groups.rewards, c.advantage, std=c.rollout.advantage_std))
+        rows = len(drawn) * c.rollout.samples_per_prompt
+        train_batch = dapo.groups_batch(groups, adv, rows, c.rollout.max_len, drawn.prompts[0])
         train_batch = distributed.global_batch(train_batch, self.trainer.mesh, self.trainer.rules)
         state, history = self.trainer.train_on_rollouts(state, train_batch, np.random.default_rng(seed))
         self.engine.update_params(self.place(self.quantize(state.params)))
         history = jax.device_get(history)
         seconds = time.perf_counter() - start
-        every_host = distributed.gather(
-            {
-                "rewards": rewards,
-                "lengths": np.asarray([s.length for s in flat]),
-                "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
-                "seconds": np.asarray([[rollout_s, seconds]]),
-            }
-        )
+        flat = [s for group in drawn.samples for s in group]
+        local = {
+            "rewards": drawn.scores,
+            "lengths": np.asarray([s.length for s in flat]),
+            "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
+            "seconds": np.asarray([[rollout_s, seconds]]),
+            "tokens": np.asarray([tokens]),
+        }
+        if dynamic:
+            local["dynamic"] = np.asarray([[dynamic[k] for k in sorted(dynamic)]], np.float32)
+        every_host = distributed.gather(local)
         rewards, lengths, truncated = (every_host[k] for k in ("rewards", "lengths", "truncated"))
         rollout_s, seconds = every_host["seconds"].max(axis=0)  # the slowest host's
+        # groups dropped / missing: every host's; rounds: the most any host drew
+        reduce = {"resample_rounds": np.max}
+        if dynamic:
+            columns = zip(sorted(dynamic), every_host["dynamic"].T, strict=True)
+            dynamic = {k: float(reduce.get(k, np.sum)(v)) for k, v in columns}
         metrics = {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
@@ -123,8 +154,9 @@ class Loop:
             "response_length": float(lengths.mean()),
             "truncated_frac": float(np.mean(truncated)),
             **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]},
+            **{f"dynamic/{k}": v for k, v in dynamic.items()},
             "time/step_s": float(seconds),
-            "time/rollout_tokens_per_s": float(lengths.sum() / rollout_s),
+            "time/rollout_tokens_per_s": float(every_host["tokens"].sum() / rollout_s),
         }
         return state, metrics
 
@@ -212,7 +244,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
         r = config.run
         sink = {"project": r.wandb_project, "name": r.wandb_name} if r.wandb else None
         log = MetricsLog(run_dir, start, r.tensorboard, sink) if primary else None
-        summary = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
+        summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "steps": config.run.steps}
         if start == 0:
             summary["eval_before"] = loop.evaluate(state.params)
             if log is not None:
@@ -223,7 +255,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
         metrics: dict = {}
         try:
             for step in bar:
-                state, metrics = loop.step(state, next(data), step)
+                state, metrics = loop.step(state, next(data), step, more=lambda: next(data))
                 metrics.update({f"data/skipped_{k}": n for k, n in data.skipped_by_category().items()})
                 done = step + 1
                 every = config.run.eval_every

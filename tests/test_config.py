@@ -1,6 +1,7 @@
 """Typed config: YAML + key=value overrides, strict validation with errors naming the key."""
 
 import pathlib
+import warnings
 
 import pytest
 
@@ -65,6 +66,14 @@ def test_file_then_overrides(tmp_path):
         (["run.steps=0"], r"run: steps, log_every, eval_prompts and keep must be >= 1"),
         (["mesh.rules=[[embed, 7]]"], r"mesh.rules\[0\]\[1\]"),
         (["seed"], r"not of the form key=value"),
+        (["rollout.advantage_std=biased"], r"rollout: advantage_std must be one of"),
+        (["rollout.advantage=ppo"], r"rollout: advantage must be one of"),
+        (["rollout.overlong_buffer=40"], r"overlong_buffer \(40\) must be in \[0, max_new_tokens=32\]"),
+        (["rollout.max_resample_rounds=-1"], r"max_resample_rounds must be >= 0"),
+        (
+            ["objective.name=gspo", "objective.aggregation=token_mean"],
+            r"aggregation='token_mean' aggregates tokens, but objective.name='gspo' is sequence-level",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, match):
@@ -81,3 +90,17 @@ def test_bad_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("quant: {fmt: [\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(tmp_path / "bad.yaml")
+
+
+def test_advantage_follows_the_objective_unless_set():
+    """rollout.advantage=auto: Dr. GRPO's mean-only advantages for objective dr_grpo, std-normalised
+    for the others; set explicitly it wins, with a warning when it contradicts the objective."""
+    assert Config().advantage == "grpo" and Config().rollout.advantage_std == "sample"
+    assert load_config(None, ["objective.name=dr_grpo"]).advantage == "dr_grpo"
+    with pytest.warns(UserWarning, match="rollout.advantage='grpo' but objective.name='dr_grpo' implies"):
+        assert load_config(None, ["objective.name=dr_grpo", "rollout.advantage=grpo"]).advantage == "grpo"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (
+            load_config(None, ["objective.name=dr_grpo", "rollout.advantage=dr_grpo"]).advantage == "dr_grpo"
+        )

@@ -16,8 +16,8 @@ from qarl_jax import quant, sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import training_batch
-from qarl_jax.rl.objectives import ObjectiveConfig
-from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
+from qarl_jax.rl.objectives import ObjectiveConfig, normalisers
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer, accumulate
 from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, rollout
 
 PROMPT, NEW = 4, 6
@@ -29,11 +29,15 @@ def _policy(fmt="w4a16", **overrides):
     return model, init_params(model, jax.random.key(0))
 
 
-def _rollouts(model, params, n_prompts=4, n=4, seed=0):
-    """Sampled rollouts from the engine with frozen weights; reward = share of response tokens < 32
-    (a quarter of the vocabulary: about 0.25 for the random policy)."""
+def _rollouts(model, params, n_prompts=4, n=4, seed=0, engine=None):
+    """Sampled rollouts from the engine with frozen weights (``engine``'s, given one, after handing
+    it these: its compiled programs are reused); reward = share of response tokens < 32 (a quarter
+    of the vocabulary: about 0.25 for the random policy)."""
     frozen = quant.quantize_params(params, model.quant)
-    engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
+    if engine is None:
+        engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
+    else:
+        engine.update_params(frozen)
     prompts = np.random.RandomState(seed).randint(0, 128, (n_prompts, PROMPT)).tolist()
     sampling = SamplingParams(temperature=1.0)
     out = rollout(engine, prompts, n=n, max_new_tokens=NEW, sampling=sampling, seed=seed, ignore_eos=True)
@@ -63,9 +67,9 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
         OptimizerConfig(learning_rate=1e-3),
     )
     state = trainer.init_state(params)
-    truncated = np.ones(len(batch["advantages"]), np.float32)  # EOS ignored: every response hits NEW
+    truncated = np.ones(len(batch.advantages), np.float32)  # EOS ignored: every response hits NEW
     state, history = trainer.train_on_rollouts(
-        state, dict(batch, truncated=truncated)
+        state, batch.replace(truncated=truncated)
     )  # raises if old != rollout
     (m,) = history
     assert int(state.step) == 1 and float(m["skipped"]) == 0.0
@@ -87,7 +91,7 @@ def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
     2 of one sequence per device on 8) equal one whole-batch forward's bit for bit; on the mesh,
     every chunk's kernels run on each device's own rows, with no data moved between devices."""
     model, params, batch = setup
-    batch = dict(batch, truncated=(np.arange(len(batch["advantages"])) % 3 == 0).astype(np.float32))
+    batch = batch.replace(truncated=(np.arange(len(batch.advantages)) % 3 == 0).astype(np.float32))
     mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
     p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
     chunked = TrainConfig(num_minibatches=2, micro_batches=2 if mesh is None else 1)
@@ -124,9 +128,7 @@ def test_nan_batch_is_skipped_without_touching_params(setup):
     model, params, batch = setup
     trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
     state = trainer.init_state(params)
-    bad = dict(
-        batch, advantages=np.where(np.arange(len(batch["advantages"])) == 3, np.nan, batch["advantages"])
-    )
+    bad = batch.replace(advantages=np.where(np.arange(len(batch.advantages)) == 3, np.nan, batch.advantages))
     state, (m,) = trainer.train_on_rollouts(state, bad)
     assert float(m["skipped"]) == 1.0 and int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
@@ -144,11 +146,11 @@ def test_error_token_grad_share(setup):
         OptimizerConfig(learning_rate=1e-3),
     )
     old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
-    low = np.where(batch["mask"] > 0, np.log(1e-4), 0.0).astype(np.float32)
+    low = np.where(batch.mask > 0, np.log(1e-4), 0.0).astype(np.float32)
     half = np.arange(len(low))[:, None] % 2 == 0
     shares, norms = [], []
     for rollout_logp in (old, low, np.where(half, low, old)):
-        mb = trainer.shard_batch(dict(batch, rollout_logp=rollout_logp, old_logp=old))
+        mb = trainer.shard_batch(batch.replace(rollout_logp=rollout_logp, old_logp=old))
         _, m = trainer.update(trainer.init_state(params), mb)
         shares.append(float(m["error_grad_share"]))
         norms.append((float(m["loss"]), float(m["grad_norm"])))
@@ -184,6 +186,30 @@ def test_micro_batches_accumulate_to_the_same_gradient(setup):
         np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
 
 
+def test_micro_batches_token_mean_unequal_lengths(setup):
+    """token_mean over responses of 1..6 tokens and an empty row: the gradient accumulated over 1 and
+    4 micro-batches is the same (the token count is the minibatch's, not each micro-batch's; the
+    loss-level test covers 1, 2 and 4 for every objective)."""
+    model, params, batch = setup
+    lengths = np.arange(batch.num_rows) % 7  # 0 (empty) .. 6 tokens
+    start = np.argmax(batch.mask > 0, axis=1)[:, None]
+    cols = np.arange(batch.mask.shape[1])[None]
+    mask = ((cols >= start) & (cols < start + lengths[:, None])).astype(np.float32)
+    trainer = Trainer(model, ObjectiveConfig(name="grpo"), TrainConfig(), OptimizerConfig())
+    old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
+    mb = trainer.shard_batch(batch.replace(mask=mask, old_logp=old * mask))
+    norms = normalisers(mb, trainer.objective)
+    grads = [
+        jax.jit(accumulate, static_argnums=(0, 3))(trainer._grads, params, mb, parts, norms)[2]
+        for parts in (1, 4)
+    ]
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0]))
+    for other in grads[1:]:
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale), grads[0], other
+        )
+
+
 def test_kl_to_the_initial_policy(setup):
     """kl_coef = 0: no reference copy, no reference scoring, no KL metric. kl_coef > 0: the state
     keeps the initial weights, frozen; at them the k3 term and its gradient are exactly 0 (the first
@@ -200,7 +226,7 @@ def test_kl_to_the_initial_policy(setup):
     kl = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, opt)
     state = kl.init_state(params)
     at_init = kl.shard_batch(batch)
-    ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch["mask"]
+    ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch.mask
     np.testing.assert_array_equal(ref, kl.old_logprobs(state.params, at_init))
     moved, history = kl.train_on_rollouts(state, batch)
     assert float(history[0]["kl_ref"]) == 0.0
@@ -210,7 +236,7 @@ def test_kl_to_the_initial_policy(setup):
     jax.tree.map(np.testing.assert_array_equal, moved.ref_params, params)
 
     # the KL term alone (zero advantages): a fresh optimizer on small steps
-    zero = dict(batch, advantages=np.zeros_like(batch["advantages"]))
+    zero = batch.replace(advantages=np.zeros_like(batch.advantages))
     pull = Trainer(
         model, ObjectiveConfig(kl_coef=1.0), TrainConfig(ppo_epochs=2), OptimizerConfig(learning_rate=1e-4)
     )
@@ -220,7 +246,7 @@ def test_kl_to_the_initial_policy(setup):
     _, (before, after) = pull.train_on_rollouts(off, zero)
     assert float(before["grad_norm"]) > 0 and 0 < float(after["kl_ref"]) < float(before["kl_ref"])
     with pytest.raises(ValueError, match="no ref_logp"):
-        pull.update(off, pull.shard_batch(dict(zero, old_logp=zero["rollout_logp"])))
+        pull.update(off, pull.shard_batch(zero.replace(old_logp=zero.rollout_logp)))
 
 
 COLLECTIVE = re.compile(
@@ -241,7 +267,7 @@ def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> N
     kernel_jit = r"jit\((matmul|grouped_matmul|rms_norm|rope|logsumexp|attention)\)"  # the CPU kernels
     kernels = [(shape, name) for shape, name in loops if re.search(kernel_jit, name)]
     assert len(kernels) > 20 and all("shard_map/" in name for _, name in kernels), kernels
-    rows = local_seqs * batch["tokens"].shape[1]
+    rows = local_seqs * batch.tokens.shape[1]
     h, blocks = config.hidden_size, lambda r, b: -(-r // b)
     norm_rows = rows_per_block(h)
     lse_rows = rows_per_block(rowwise.default_block_v(config.vocab_size))
@@ -280,13 +306,13 @@ def test_sharded_step_equals_single_device(setup, mesh_cfg):
     np.testing.assert_allclose(
         float(rollout_metrics["policy_entropy"]), float(m["policy_entropy"]), rtol=1e-6
     )
-    mb = trainer.shard_batch(dict(batch, old_logp=np.asarray(old)))
+    mb = trainer.shard_batch(batch.replace(old_logp=np.asarray(old)))
     with trainer._context():
         update = trainer._update.lower(trainer.init_state(p), mb).compile()
         state, m = update(trainer.init_state(p), mb)
     results.append((state.params, m))
     _assert_kernels_on_local_rows(
-        update.as_text(), model.config, len(batch["advantages"]) // _batch_ways(mesh), batch
+        update.as_text(), model.config, len(batch.advantages) // _batch_ways(mesh), batch
     )
     # the gradient must agree closely; Adam's first step is about lr * sign(grad), so the few
     # coordinates whose gradient is near zero may round either way: bound their share and size
@@ -304,12 +330,15 @@ def test_tbpo_steps_raise_the_reward():
         model, ObjectiveConfig(), TrainConfig(num_minibatches=2), OptimizerConfig(learning_rate=1e-2)
     )
     state = trainer.init_state(params)
+    engine = RolloutEngine(
+        model, quant.quantize_params(params, model.quant), EngineConfig(slots=8, max_len=PROMPT + NEW)
+    )
     rewards = []
     for step in range(6):
-        batch, reward = _rollouts(model, state.params, seed=step)
+        batch, reward = _rollouts(model, state.params, seed=step, engine=engine)
         rewards.append(reward)
         state, _ = trainer.train_on_rollouts(state, batch)
-    final = np.mean([_rollouts(model, state.params, seed=100 + s)[1] for s in range(2)])
+    final = np.mean([_rollouts(model, state.params, seed=100 + s, engine=engine)[1] for s in range(2)])
     assert final > rewards[0] + 0.1, (rewards, final)
 
 

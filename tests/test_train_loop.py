@@ -72,6 +72,24 @@ def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 3
 
 
+def test_loop_with_dapo_data_side(tmp_path):
+    """Dynamic sampling (refills from the data iterator, at most 2 more rounds), the soft overlong
+    punishment and overlong filtering, all on: the loop runs, logs the dynamic-sampling counts and
+    keeps the rewards it reports the grader's (in [0, 1], the penalty only in the advantages)."""
+    config = load_config(SMOKE, [f"run.output_dir={tmp_path}", "run.steps=1", "run.tensorboard=false",
+                                 "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=2",
+                                 "rollout.overlong_buffer=16", "objective.overlong_filter=true"])  # fmt: skip
+    train(config)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in lines[1:]:
+        assert all(np.isfinite(v) for v in m.values())
+        assert 0.0 <= m["reward_mean"] <= 1.0 and m["dynamic/resample_rounds"] <= 2
+        assert 0 <= m["dynamic/missing_groups"] <= config.data.batch_size
+        if m["dynamic/dropped_groups"] > 0 and m["dynamic/missing_groups"] == 0:
+            assert m["dynamic/resample_rounds"] >= 1  # the first draw alone could not fill the batch
+        assert "train/truncation_rate" in m
+
+
 def test_evals_repeat_and_bf16_eval_of_a_bf16_run_equals_the_deployed_eval():
     # the run's format is bf16, so the deployed engine and the eval_bf16 engine (built apart, over
     # the master weights as they are) run the same weights in the same format: equal figures

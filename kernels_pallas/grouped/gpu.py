@@ -28,8 +28,8 @@ from kernels_pallas.matmul.gpu import Tiling, accumulate, configure
 def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt):
     has_scales = WEIGHT_BITS[fmt] is not None
     int_act = ACT_BITS[fmt] == 8
-    te_ref, tb_ref, tlo_ref, thi_ref, *refs = refs
-    x_ref, w_ref, s_ref, sx_ref, (_, o_ref) = kernel_refs(refs, has_scales, int_act)  # _: the zeroed output
+    te_ref, tb_ref, tlo_ref, thi_ref, *rest = refs
+    x_ref, w_ref, s_ref, sx_ref, (_zeroed, o_ref) = kernel_refs(rest, has_scales, int_act)
     block_m, block_n = tiling.block_m, tiling.block_n
     t = pl.program_id(0)
     e, rb, lo, hi = te_ref[t], tb_ref[t], tlo_ref[t], thi_ref[t]

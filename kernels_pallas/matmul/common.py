@@ -29,8 +29,10 @@ def acc_dtype(fmt: str):
 def finish(acc: jax.Array, fmt: str, s_w: jax.Array | None, s_x: jax.Array | None) -> jax.Array:
     """Apply the scales that sit outside the K loop: w8a8 (acc * s_x) * s_w, w4a8 acc * s_x."""
     if fmt == "w8a8":
+        assert s_w is not None and s_x is not None, "w8a8 has weight and activation scales"
         return (acc.astype(jnp.float32) * s_x) * s_w
     if fmt == "w4a8":
+        assert s_x is not None, "w4a8 has activation scales"
         return acc * s_x
     return acc
 

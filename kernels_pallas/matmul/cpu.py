@@ -70,6 +70,7 @@ def block_matmul(
     if fmt == "bf16":
         ct = jnp.promote_types(x.dtype, wv.dtype)
         return _dot(x.astype(ct), wv.astype(ct), jnp.float32)
+    assert scales is not None, f"{fmt} weights have scales"
     if fmt == "w8a8":
         qx, sx = quantize_activations(x)
         acc = _dot(qx, wv, jnp.int32)

@@ -59,7 +59,7 @@ def gpu_blocks(fmt: str, k: int, n: int) -> Blocks:
     base = base_blocks(fmt)
     tuned = TUNED.get((fmt, k, n))
     if tuned is not None:
-        return dataclasses.replace(base, **tuned)
+        return base.override(**tuned)
     n_blocks = -(-n // base.block_n)
     split = 1
     while n_blocks * split < GPU_SMS and split < 4 and k % (2 * split * base.block_k) == 0:
@@ -173,6 +173,7 @@ def accumulate(
         acc = lax.fori_loop(0, k // bk, body, jnp.zeros(acc_shape, part_dtype))
         return acc.T if swap else acc
 
+    assert load_s is not None, "4-bit weights have group scales"
     half = group_size // 2
 
     def unpacked_part(prow: jax.Array | int, col: jax.Array | int, rows: int) -> jax.Array:
@@ -251,6 +252,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         pl.BlockSpec((ops.w.shape[0] // split, bn), lambda i, j, s: (s, j)),
     ]
     if WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused):
+        assert ops.scales is not None, f"{fmt} weights have scales"
         args.append(ops.scales)
         in_specs.append(pl.BlockSpec((ops.scales.shape[0] // split, bn), lambda i, j, s: (s, j)))
     if ops.sx is not None and fused:

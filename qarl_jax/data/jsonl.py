@@ -84,6 +84,7 @@ class JsonlSource:
         if not self._records:
             raise DataError(f"{self.path}{side}: no valid rows (skipped: {dict(self.skipped)})")
         if len(self._records) < min_valid_fraction * rows:
+            assert self.first_skipped is not None, "fewer valid rows than rows: one was skipped"
             raise DataError(
                 f"{self.path}: only {len(self._records)} of {rows} rows are valid, below "
                 f"data.min_valid_fraction={min_valid_fraction} (skipped: {dict(self.skipped)}; first: "

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from qarl_jax.data.config import DataConfig
 from qarl_jax.data.jsonl import JsonlSource
-from qarl_jax.data.records import CATEGORIES, Record, Rejected, category
+from qarl_jax.data.records import CATEGORIES, Record, Rejected, category, is_answer_format
 from qarl_jax.data.synthetic import SyntheticArithmetic
 from qarl_jax.data.templates import apply_template
 from qarl_jax.errors import DataError
@@ -36,24 +36,29 @@ def make_source(config: DataConfig) -> Any:
     """The random-access record source ``config`` names (TFDS is imported only here, lazily)."""
     if config.source == "synthetic":
         return SyntheticArithmetic(config.synthetic, config.seed, config.split)
+    answer_format = config.answer_format
+    assert is_answer_format(answer_format), "DataConfig checks answer_format"
     if config.source == "jsonl":
-        keys = (config.prompt_key, config.answer_key, config.answer_format)
+        assert config.path is not None, "DataConfig checks that source='jsonl' has a path"
         return JsonlSource(
             config.path,
-            *keys,
+            config.prompt_key,
+            config.answer_key,
+            answer_format,
             bad_rows=config.bad_rows,
             min_valid_fraction=config.min_valid_fraction,
             hash_split=config.hash_split,
         )
     from qarl_jax.data.tfds_source import tfds_source
 
+    assert config.tfds_name is not None, "DataConfig checks that source='tfds' has a tfds_name"
     return tfds_source(
         config.tfds_name,
         config.split,
         config.tfds_data_dir,
         config.prompt_key,
         config.answer_key,
-        config.answer_format,
+        answer_format,
         gsm8k_dir=config.path,
     )
 
@@ -146,7 +151,7 @@ class PromptIterator:
             )
 
     def __next__(self) -> dict[str, Any]:
-        records = []
+        records: list[Record] = []
         while len(records) < self._config.batch_size and (record := self._next_record()) is not None:
             records.append(record)
         if not records:

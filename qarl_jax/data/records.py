@@ -9,12 +9,19 @@ policy turns it into a :class:`MalformedRowError` naming where the row came from
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import typing
+from typing import Any, Literal, TypeGuard
 
 from qarl_jax.errors import MalformedRowError
 
 AnswerFormat = Literal["gsm8k", "plain"]
 Record = dict[str, Any]
+
+
+def is_answer_format(value: str) -> TypeGuard[AnswerFormat]:
+    """Whether ``value`` names an :data:`AnswerFormat`: configs hold it as plain text (YAML has no
+    literal types), so the type checker learns the narrower type here."""
+    return value in typing.get_args(AnswerFormat)
 
 
 CATEGORIES = ("malformed", "too_long", "empty", "undecodable")  # what the metrics count skips by

@@ -89,7 +89,7 @@ class SafetensorsReader:
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {info['shape']}"
             )
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data  # a writable memoryview of the array's buffer
         done = 0
         while done < out.nbytes:
             got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
@@ -367,8 +367,8 @@ def save_pretrained(
             save_file(shard, str(ckpt / fname), metadata={"format": "pt"})
             weight_map.update({name: fname for name in shard})
             total += sum(a.nbytes for a in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (ckpt / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        listing = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (ckpt / INDEX_FILE).write_text(json.dumps(listing, indent=2))
     (ckpt / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
     if tokenizer is not None:
         tokenizer.save(str(ckpt / "tokenizer.json"))

@@ -63,11 +63,11 @@ def _boxed_number(content: str) -> Fraction | None:
 
 def extract_number(response: str) -> Fraction | None:
     """The response's final numeric answer (see the module docstring), or None."""
-    anchor = collections.deque(_ANCHOR_RE.finditer(response), maxlen=1)
-    if not anchor:
+    last = collections.deque(_ANCHOR_RE.finditer(response), maxlen=1)
+    if not last:
         numbers = _NUMBER_RE.findall(response)
         return parse_number(numbers[-1]) if numbers else None
-    anchor = anchor[0]
+    anchor = last[0]
     if anchor.group().endswith("{"):
         content = _boxed_content(response, anchor.end())
         return None if content is None else _boxed_number(content)

@@ -111,8 +111,8 @@ class Grader:
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         if kind in IN_PROCESS_KINDS:
             fn = self.graders[kind]
-            scores = [fn(r, a, self._inner_timeout) for r, a in zip(responses, answers, strict=True)]
-            return _checked(np.asarray(scores, np.float32), kind, self.graders[kind])
+            graded = [fn(r, a, self._inner_timeout) for r, a in zip(responses, answers, strict=True)]
+            return _checked(np.asarray(graded, np.float32), kind, self.graders[kind])
         while len(self._workers) < self._num_workers:
             self._workers.append(self._spawn())
         scores = np.zeros(len(responses), np.float32)
@@ -145,7 +145,7 @@ class Grader:
         for conn in wait(list(by_conn), timeout=timeout):
             w = by_conn[conn]
             try:
-                message = conn.recv()
+                message = w.conn.recv()  # w.conn is conn, typed as a Connection
             except (EOFError, OSError):
                 if not w.ready:
                     w.process.join(timeout=5)
@@ -158,6 +158,7 @@ class Grader:
                 w.ready = True
                 continue
             score, failed = message
+            assert w.task is not None, "a worker sends a score only for the task it was dispatched"
             scores[w.task[0]] = score
             if failed:
                 self.stats["errors"] += 1

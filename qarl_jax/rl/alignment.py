@@ -4,6 +4,8 @@ padded training batches that re-score the same tokens with :func:`policy_logprob
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,11 +41,11 @@ def rollout(model, frozen, prompts: list[np.ndarray], new_tokens: int, seed: int
         cache, nxt, lp = step(cache, nxt[:, None], pos, jnp.zeros((b,), jnp.int32), keys[i])
         gen.append(np.asarray(nxt))
         lps.append(np.asarray(lp))
-    gen, lps = np.stack(gen, 1), np.stack(lps, 1)
-    return [(np.concatenate([p, gen[i]]), lps[i]) for i, p in enumerate(prompts)]
+    sampled, sampled_lps = np.stack(gen, 1), np.stack(lps, 1)
+    return [(np.concatenate([p, sampled[i]]), sampled_lps[i]) for i, p in enumerate(prompts)]
 
 
-def pack(seqs: list[np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
+def pack(seqs: list[np.ndarray], rows: int, length: int) -> dict[str, Any]:
     """Greedy first-fit packing of sequences into [rows, length] training rows (inputs seq[:-1],
     targets seq[1:]); also returns where each sequence landed."""
     batch = {k: np.zeros((rows, length), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")}

@@ -61,7 +61,7 @@ def policy_logprobs(
     sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass; the head
     always runs in chunks of tokens (:func:`chunked_head`)."""
     m = training_model(model, remat=remat)
-    hidden = m.apply({"params": params}, tokens, positions, segment_ids, method="hidden")
+    hidden = jnp.asarray(m.apply({"params": params}, tokens, positions, segment_ids, method="hidden"))
     return chunked_head(m, params, hidden, targets, temperature)[0]
 
 
@@ -81,8 +81,10 @@ def policy_logprobs_and_entropy(
     entropy -sum p log p runs the row-wise log-softmax kernel over the vocabulary, so it costs one
     more pass over each chunk's logits, not a second forward."""
     m = training_model(model, remat=remat)
-    hidden = m.apply({"params": params}, tokens, positions, segment_ids, method="hidden")
-    return chunked_head(m, params, hidden, targets, temperature, entropy=True)
+    hidden = jnp.asarray(m.apply({"params": params}, tokens, positions, segment_ids, method="hidden"))
+    logp, ent = chunked_head(m, params, hidden, targets, temperature, entropy=True)
+    assert ent is not None  # entropy=True computes it
+    return logp, ent
 
 
 def chunked_head(

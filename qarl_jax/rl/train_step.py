@@ -15,8 +15,12 @@ the loss's KL term; without it there is no copy and no reference scoring.
 Metrics, one flat dict per update, all computed on device. Per update: the objective's
 (``loss``, ``policy_loss``, ``clip_frac``, ``band_mask_frac``, ``ratio_*``, ``is_weight_*``,
 ``correction_frac``, ``entropy`` when ``entropy_coef`` is set, ``kl_ref`` when ``kl_coef`` is),
-``grad_norm``, ``update_ratio`` (|update| / |weights|), ``skipped`` and, with
-``error_token_grad_share``, ``error_grad_share``. Per rollout batch (from the old-log-prob
+``grad_norm``, ``update_ratio`` (|update| / |weights|), ``skipped`` (1: not applied, the loss or
+gradient not finite or no response token in the minibatch's loss) and, with
+``error_token_grad_share``, ``error_grad_share``. The loss's denominators are counted over the
+whole minibatch before its micro-batches (:mod:`qarl_jax.rl.objectives`), whose losses, gradients
+and metrics then add up (the extrema combine by max / min): the update is the same function of the
+minibatch for any ``micro_batches`` and mesh. Per rollout batch (from the old-log-prob
 forward, repeated in each of its updates' dicts): ``policy_entropy``, ``response_len_mean``/``_max``,
 ``truncation_rate`` (when the batch holds ``truncated``), the alignment statistics ``mismatch_*``
 (old vs rollout log-probs) and the error-token fractions ``repetition_frac``,
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +42,16 @@ from jax.experimental import multihost_utils
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rl import metrics as rl_metrics
+from qarl_jax.rl.batch import RolloutBatch
 from qarl_jax.rl.logprobs import policy_logprobs, policy_logprobs_and_entropy
-from qarl_jax.rl.objectives import ObjectiveConfig, compute_loss
-
-Batch = Mapping[str, jax.Array]
-FORWARD_KEYS = ("tokens", "positions", "segment_ids", "targets")
-BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask", "rollout_logp", "advantages")
-OPTIONAL_KEYS = ("truncated",)  # [N], 1 where the rollout stopped at the length limit
+from qarl_jax.rl.objectives import (
+    EXTREMA,
+    Normalisers,
+    ObjectiveConfig,
+    compute_loss,
+    loss_masks,
+    normalisers,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +96,12 @@ class TrainConfig:
         if not 0 < self.low_prob_threshold < 1:
             raise ValueError(f"train.low_prob_threshold must be in (0, 1), got {self.low_prob_threshold}")
 
-    def error_flags(self, batch: Batch) -> dict[str, jax.Array]:
+    def error_flags(self, batch: RolloutBatch) -> dict[str, jax.Array]:
         """:func:`qarl_jax.rl.metrics.error_sequences` with this config's rules."""
         return rl_metrics.error_sequences(
-            batch["targets"],
-            batch["mask"],
-            batch["rollout_logp"],
+            jnp.asarray(batch.targets),  # already jax arrays under jit, where this runs
+            jnp.asarray(batch.mask),
+            jnp.asarray(batch.rollout_logp),
             self.low_prob_threshold,
             self.repeat_max_ngram,
             self.repeat_min_repeats,
@@ -122,12 +129,42 @@ class TrainState:
     ref_params: dict | None = None  # the initial weights, never updated: the KL reference (kl_coef only)
 
 
-def _split(batch: Batch, parts: int) -> Batch:
+def _split(batch: RolloutBatch, parts: int) -> RolloutBatch:
     """[N, ...] -> [parts, N / parts, ...] for every array of the batch."""
-    n = batch["tokens"].shape[0]
+    n = batch.num_rows
     if n % parts:
         raise ValueError(f"a batch of {n} sequences does not split into {parts} equal parts")
-    return {k: v.reshape(parts, n // parts, *v.shape[1:]) for k, v in batch.items()}
+    return batch.map(lambda v: v.reshape(parts, n // parts, *v.shape[1:]))
+
+
+GradsFn = Callable[[object, RolloutBatch, Normalisers], tuple]
+
+
+def accumulate(grads: GradsFn, params, batch: RolloutBatch, parts: int, norms: Normalisers) -> tuple:
+    """``grads(params, micro_batch, norms) -> (loss, metrics, gradients, extra gradients or None)``
+    over the ``parts`` micro-batches of ``batch``, one at a time (the memory of one), added up:
+    with ``norms`` counted over the whole batch every term is already its share of the batch's,
+    so the sums are the batch's loss and gradients; the metrics in ``EXTREMA`` combine by max/min."""
+    micro = _split(batch, parts)
+    big = jnp.finfo(jnp.float32).max
+
+    def combine(total, out):
+        (loss, metrics, *gs), (loss_b, metrics_b, *gs_b) = total, out
+        merged = {k: EXTREMA.get(k, jnp.add)(v, metrics_b[k]) for k, v in metrics.items()}
+        return (loss + loss_b, merged, *jax.tree.map(jnp.add, gs, gs_b))
+
+    def start(s: jax.ShapeDtypeStruct, fill=0.0):
+        return jnp.full(s.shape, fill, s.dtype)
+
+    shapes = jax.eval_shape(grads, params, jax.tree.map(lambda v: v[0], micro), norms)
+    loss, metrics, *gs = jax.tree.map(start, shapes)
+    for key, op in EXTREMA.items():  # the identities of max and min
+        if key in metrics:
+            metrics[key] = start(shapes[1][key], -big if op is jnp.maximum else big)
+    total, _ = jax.lax.scan(
+        lambda c, mb: (combine(c, grads(params, mb, norms)), None), (loss, metrics, *gs), micro
+    )
+    return total
 
 
 def _host(x) -> np.ndarray:
@@ -179,34 +216,34 @@ class Trainer:
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl) if self._kl else None
         self._update = jax.jit(self._update_impl, donate_argnums=(0,))
 
-    def _forward(self, params, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+    def _forward(self, params, batch: RolloutBatch) -> tuple[jax.Array, jax.Array | None]:
         """(log-probs, entropy or None): the entropy only when the loss uses it."""
-        args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["targets"])
+        args = batch.forward_inputs()
         t, remat = self.train.temperature, self.train.remat
         if self.objective.entropy_coef:
             return policy_logprobs_and_entropy(self.model, params, *args, t, remat=remat)
         return policy_logprobs(self.model, params, *args, t, remat=remat), None
 
     @staticmethod
-    def _loss(out, batch: Batch, objective: ObjectiveConfig):
+    def _loss(out, batch: RolloutBatch, objective: ObjectiveConfig, norms: Normalisers):
         logp, entropy = out
-        old, rollout, adv, mask = batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["mask"]
-        ref = batch.get("ref_logp")
-        return compute_loss(logp, old, rollout, adv, mask, objective, ref_logp=ref, entropy=entropy)
+        return compute_loss(logp, batch, objective, norms, entropy=entropy)
 
-    def _grads(self, params, batch: Batch):
-        """Loss, metrics and gradients of one micro-batch; with ``error_token_grad_share`` also the
-        gradient of the error sequences' policy-gradient terms alone (their advantages kept, the
-        others zeroed: every objective's term is 0 with its gradient at A = 0, and the
-        normalisers do not change), pulled back through the same forward: one more backward."""
+    def _grads(self, params, batch: RolloutBatch, norms: Normalisers):
+        """Loss, metrics and gradients of one micro-batch (over the minibatch's ``norms``); with
+        ``error_token_grad_share`` also the gradient of the error sequences' policy-gradient terms
+        alone (their advantages kept, the others zeroed: every objective's term is 0 with its
+        gradient at A = 0, and the normalisers do not change), pulled back through the same
+        forward: one more backward."""
         out, pullback = jax.vjp(lambda p: self._forward(p, batch), params)
-        (loss, metrics), d_out = jax.value_and_grad(self._loss, has_aux=True)(out, batch, self.objective)
+        loss_and_grad = jax.value_and_grad(self._loss, has_aux=True)
+        (loss, metrics), d_out = loss_and_grad(out, batch, self.objective, norms)
         (grads,) = pullback(d_out)
         if not self.train.error_token_grad_share:
             return loss, metrics, grads, None
         error = self.train.error_flags(batch)["error"].astype(jnp.float32)
-        flagged = dict(batch, advantages=batch["advantages"] * error)
-        d_flagged, _ = jax.grad(self._loss, has_aux=True)(out, flagged, self._pg_objective)
+        flagged = batch.replace(advantages=batch.advantages * error)
+        d_flagged, _ = jax.grad(self._loss, has_aux=True)(out, flagged, self._pg_objective, norms)
         return loss, metrics, grads, pullback(d_flagged)[0]
 
     def _context(self):
@@ -222,14 +259,12 @@ class Trainer:
             opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
         return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32), ref_params=ref)
 
-    def shard_batch(self, batch: Batch) -> Batch:
+    def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:
         """Place a host batch with its sequences split over the mesh's batch axes."""
-        if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
-        return {
-            k: jax.device_put(v, sharding.batch_sharding(self.mesh, np.ndim(v), self.rules))
-            for k, v in batch.items()
-        }
+        mesh = self.mesh
+        if mesh is None:
+            return batch.map(jnp.asarray)
+        return batch.map(lambda v: jax.device_put(v, sharding.batch_sharding(mesh, np.ndim(v), self.rules)))
 
     def _score_rows(self, n: int) -> int:
         """Sequences per scoring forward: the update's micro-batch, which must split over the mesh's
@@ -249,51 +284,49 @@ class Trainer:
             )
         return rows
 
-    def _chunked(self, score, params, batch: Batch):
+    def _chunked(self, score, params, batch: RolloutBatch):
         """``score(model, params, tokens, positions, segment_ids, targets, temperature)`` over the
         batch in chunks of :meth:`_score_rows`, outputs back in row order. Chunk c of C holds rows
         c, c + C, c + 2C, ...: the rows sit on the devices in contiguous blocks, so every chunk is a
         slice of each device's own rows (no resharding); one chunk's shape, one compile."""
-        n = batch["tokens"].shape[0]
+        n = batch.num_rows
         chunks = n // self._score_rows(n)
         split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)
         merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])
 
         def one(chunk):
-            return score(self.model, params, *(chunk[k] for k in FORWARD_KEYS), self.train.temperature)
+            return score(self.model, params, *chunk, self.train.temperature)
 
-        out = jax.lax.map(one, {k: split(batch[k]) for k in FORWARD_KEYS})
+        out = jax.lax.map(one, tuple(split(v) for v in batch.forward_inputs()))
         return jax.tree.map(merge, out)
 
     def _old_logprobs_impl(self, params, batch):
         """Old log-probs and the rollout batch's metrics; the metrics over the reassembled batch, so
         they are those of one whole-batch forward, bit for bit."""
         logp, entropy = self._chunked(policy_logprobs_and_entropy, params, batch)
-        mask = batch["mask"]
+        mask = batch.mask
         old = jax.lax.stop_gradient(logp) * mask
-        stats = dict(
+        return old, dict(
             policy_entropy=rl_metrics.entropy_mean(entropy, mask),
-            **rl_metrics.response_length_stats(mask, batch.get("truncated")),
+            **rl_metrics.response_length_stats(mask, batch.truncated),
+            **rl_metrics.mismatch_stats(old, batch.rollout_logp, mask),
+            **rl_metrics.error_token_stats(self.train.error_flags(batch), mask),
         )
-        if "rollout_logp" in batch:  # scoring alone (old_logprobs) may go without it
-            stats.update(rl_metrics.mismatch_stats(old, batch["rollout_logp"], mask))
-            stats.update(rl_metrics.error_token_stats(self.train.error_flags(batch), mask))
-        return old, stats
 
     def _ref_logprobs_impl(self, ref_params, batch):
         # not masked: the loss's exp(ref - logp) stays finite on padding (0 there could overflow)
         return jax.lax.stop_gradient(self._chunked(policy_logprobs, ref_params, batch))
 
-    def old_logprobs(self, params, batch: Batch) -> jax.Array:
+    def old_logprobs(self, params, batch: RolloutBatch) -> jax.Array:
         """Old-policy log-probs [N, T] (0 outside the mask)."""
         return self.old_logprobs_and_metrics(params, batch)[0]
 
-    def old_logprobs_and_metrics(self, params, batch: Batch) -> tuple[jax.Array, dict]:
+    def old_logprobs_and_metrics(self, params, batch: RolloutBatch) -> tuple[jax.Array, dict]:
         """Old-policy log-probs [N, T] and the per-rollout-batch metrics (see the module doc)."""
         with self._context():
             return self._old_logprobs(params, batch)
 
-    def ref_logprobs(self, state: TrainState, batch: Batch) -> jax.Array:
+    def ref_logprobs(self, state: TrainState, batch: RolloutBatch) -> jax.Array:
         """The reference policy's log-probs [N, T] (``objective.kl_coef`` only), scored like the old
         ones: at the initial weights bitwise equal to them on the response tokens."""
         if self._ref_logprobs is None:
@@ -303,21 +336,16 @@ class Trainer:
         with self._context():
             return self._ref_logprobs(state.ref_params, batch)
 
-    def _update_impl(self, state: TrainState, batch: Batch):
-        micro = _split(batch, self.train.micro_batches)
-
-        def accumulate(carry, mb):
-            return jax.tree.map(jnp.add, carry, self._grads(state.params, mb)), None
-
-        first = jax.tree.map(lambda v: v[0], micro)
-        zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(self._grads, state.params, first)
-        )
-        total, _ = jax.lax.scan(accumulate, zeros, micro)
-        loss, metrics, grads, flagged_grads = jax.tree.map(lambda x: x / self.train.micro_batches, total)
+    def _update_impl(self, state: TrainState, batch: RolloutBatch):
+        norms = normalisers(batch, self.objective)  # over the whole minibatch, before the split
+        total = accumulate(self._grads, state.params, batch, self.train.micro_batches, norms)
+        loss, metrics, grads, flagged_grads = total
 
         grad_norm, weight_norm = rl_metrics.tree_norm(grads), rl_metrics.tree_norm(state.params)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # a minibatch without a token in the loss has nothing to learn, yet its zero gradient would
+        # still move the weights through the optimizer's momentum
+        learns = jnp.any(loss_masks(batch, self.objective)[1] > 0)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & learns
         updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
@@ -338,36 +366,39 @@ class Trainer:
             metrics["error_grad_share"] = rl_metrics.tree_norm(flagged_grads) / jnp.maximum(grad_norm, 1e-30)
         return new_state, metrics
 
-    def update(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    def update(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict]:
         """One optimizer update on one minibatch (which must hold ``old_logp``, and ``ref_logp`` with
         ``objective.kl_coef``: without it the loss would silently drop the KL term)."""
-        if self._kl and "ref_logp" not in batch:
+        if batch.old_logp is None:
+            raise ValueError("the minibatch has no old_logp (see old_logprobs)")
+        if self._kl and batch.ref_logp is None:
             raise ValueError("objective.kl_coef is set but the minibatch has no ref_logp (see ref_logprobs)")
         with self._context():
             return self._update(state, batch)
 
-    def train_on_rollouts(self, state: TrainState, batch: Batch, rng: np.random.Generator | None = None):
+    def train_on_rollouts(
+        self, state: TrainState, batch: RolloutBatch, rng: np.random.Generator | None = None
+    ):
         """Old log-probs once, then ppo_epochs x num_minibatches updates (minibatches reshuffled per
         epoch when ``rng`` is given). Returns the new state and the list of per-update metrics (each
-        with the rollout batch's metrics too). ``batch`` may hold OPTIONAL_KEYS beside BATCH_KEYS."""
-        missing = [k for k in BATCH_KEYS if k not in batch]
-        if missing:
-            raise ValueError(f"rollout batch lacks {missing}; it needs {BATCH_KEYS}")
+        with the rollout batch's metrics too)."""
+        if not isinstance(batch, RolloutBatch):
+            raise TypeError(f"train_on_rollouts takes a RolloutBatch (qarl_jax.rl.batch), got {type(batch)}")
         sharded = self.shard_batch(batch)
         old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, sharded)
-        batch = dict(batch, old_logp=old_logp)
+        batch = batch.replace(old_logp=old_logp)
         if self._kl:
-            batch["ref_logp"] = self.ref_logprobs(state, sharded)
-        batch = {k: _host(v) for k, v in batch.items()}  # minibatches are cut on the host
+            batch = batch.replace(ref_logp=self.ref_logprobs(state, sharded))
+        batch = batch.map(_host)  # minibatches are cut on the host
         if self.train.assert_aligned:
-            mask = np.asarray(batch["mask"]) > 0
-            old, rollout = np.asarray(batch["old_logp"])[mask], np.asarray(batch["rollout_logp"])[mask]
+            mask = np.asarray(batch.mask) > 0
+            old, rollout = np.asarray(batch.old_logp)[mask], np.asarray(batch.rollout_logp)[mask]
             if not np.array_equal(old, rollout):
                 raise AssertionError(
                     f"aligned mode: {np.mean(old != rollout):.2%} of tokens have old log-probs different "
                     f"from the rollout's (max |diff| {np.max(np.abs(old - rollout)):.3g})"
                 )
-        n = batch["tokens"].shape[0]
+        n = batch.num_rows
         if n % self.train.num_minibatches:
             raise ValueError(f"{n} sequences do not split into {self.train.num_minibatches} minibatches")
         size = n // self.train.num_minibatches
@@ -376,7 +407,7 @@ class Trainer:
             order = np.arange(n) if rng is None else rng.permutation(n)
             for i in range(self.train.num_minibatches):
                 idx = order[i * size : (i + 1) * size]
-                mb = self.shard_batch({k: np.asarray(v)[idx] for k, v in batch.items()})
+                mb = self.shard_batch(batch.rows(idx))
                 state, metrics = self.update(state, mb)
                 history.append({**rollout_metrics, **metrics})
         return state, history

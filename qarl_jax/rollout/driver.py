@@ -83,7 +83,7 @@ def rollout(
         raise ValueError(f"prompts {too_long[:5]} are empty or longer than {c.max_prompt_len} tokens")
     state = engine.allocate()
     engine.state = None  # donated below; put back at the end
-    out = [[None] * n for _ in prompts]
+    out: dict[tuple[int, int], Sample] = {}  # (prompt, sample) -> finished sample
     work = collections.deque((p, s) for p in range(len(prompts)) for s in range(n))
     in_slot: list[Sample | None] = [None] * c.slots
     checked = [0] * c.slots
@@ -93,6 +93,7 @@ def rollout(
     def finish(slot: int, reason: str | None = None) -> None:
         """Apply stop strings to the slot's new tokens; end the sample on a hit or on ``reason``."""
         sample = in_slot[slot]
+        assert sample is not None, "only a slot holding a sample is finished"
         cut = _stop_cut(sample, stop_strings, tokenizer, checked[slot]) if stop_strings else None
         checked[slot] = sample.length
         if cut is not None:
@@ -102,7 +103,7 @@ def rollout(
         if reason is None:
             return
         sample.finish_reason = reason
-        out[sample.prompt_index][sample.sample_index] = sample
+        out[(sample.prompt_index, sample.sample_index)] = sample
         in_slot[slot] = None
         bar.update(1)
 
@@ -143,27 +144,30 @@ def rollout(
         touched = set()
         for slots, first in jax.device_get(inserts):
             for j, slot in enumerate(slots):
-                _record(in_slot[slot], first, j)
+                live = in_slot[slot]
+                assert live is not None, "a slot just inserted holds its sample"
+                _record(live, first, j)
                 touched.add(slot)
                 emitted += 1
                 if first.finished[j]:
-                    finish(slot, _reason(in_slot[slot], engine, ignore_eos))
+                    finish(slot, _reason(live, engine, ignore_eos))
         for step in jax.device_get(steps):
-            for slot in np.flatnonzero(step.valid):
-                if in_slot[slot] is None:
+            for slot in np.flatnonzero(step.valid).tolist():
+                live = in_slot[slot]
+                if live is None:
                     continue
-                _record(in_slot[slot], step, slot)
+                _record(live, step, slot)
                 touched.add(slot)
                 emitted += 1
                 if step.finished[slot]:
-                    finish(slot, _reason(in_slot[slot], engine, ignore_eos))
+                    finish(slot, _reason(live, engine, ignore_eos))
         for slot in touched:
             if in_slot[slot] is not None:
                 finish(slot)
         bar.set_postfix(tokens_per_s=f"{emitted / (time.perf_counter() - start):.0f}", refresh=False)
     bar.close()
     engine.state = engine.release_slots(state, range(c.slots))
-    return out
+    return [[out[(p, s)] for s in range(n)] for p in range(len(prompts))]
 
 
 def _record(sample: Sample, out: StepOutput, i: int) -> None:

@@ -63,6 +63,9 @@ class EngineConfig:
         return self.max_len - 1
 
 
+HostOrDevice = jax.Array | np.ndarray  # host columns at insert, device arrays in the state
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotSettings:
@@ -70,11 +73,11 @@ class SlotSettings:
     when a sample starts, read by every generate step. One pytree, so adding a setting edits this
     class, :meth:`columns` and the step that reads it."""
 
-    max_new: jax.Array  # int32, tokens to generate (capped by the cache room at insert)
-    stop_on_eos: jax.Array  # bool
-    temperature: jax.Array  # f32, 0 = greedy
-    top_p: jax.Array  # f32
-    top_k: jax.Array  # int32, 0 = no truncation
+    max_new: HostOrDevice  # int32, tokens to generate (capped by the cache room at insert)
+    stop_on_eos: HostOrDevice  # bool
+    temperature: HostOrDevice  # f32, 0 = greedy
+    top_p: HostOrDevice  # f32
+    top_k: HostOrDevice  # int32, 0 = no truncation
 
     @classmethod
     def empty(cls, n: int) -> SlotSettings:
@@ -221,7 +224,7 @@ class RolloutEngine:
         """Swap in new frozen weights (same tree, shapes and dtypes: no recompilation), placed on
         the engine's shardings (resharded from the trainer's mesh when it differs)."""
         old, new = jax.tree.structure(self.params), jax.tree.structure(params)
-        if old != new:
+        if old != new:  # type: ignore[operator]  # PyTreeDef compares by structure; its stub has no __ne__
             raise ValueError(f"update_params: parameter tree differs from the engine's ({new} vs {old})")
         pairs = zip(jax.tree_util.tree_leaves_with_path(self.params), jax.tree.leaves(params), strict=True)
         for (path, a), b in pairs:
@@ -342,7 +345,7 @@ class RolloutEngine:
         """Bytes of the KV cache (K and V, [layers, slots, max_len, kv_heads, head_dim] in the compute
         dtype) on one device, sharded as :meth:`init_decode_state` places it."""
         c, m = self.config, self.model.config
-        shape = (m.num_hidden_layers, c.slots, c.max_len, m.num_key_value_heads, m.head_dim)
+        shape: tuple[int, ...] = (m.num_hidden_layers, c.slots, c.max_len, m.num_key_value_heads, m.head_dim)
         if self.mesh is not None:
             shape = self._cache_sharding(shape).shard_shape(shape)
         return 2 * int(np.prod(shape)) * jnp.dtype(m.dtype).itemsize
@@ -350,12 +353,13 @@ class RolloutEngine:
     def compilations(self) -> dict[str, int]:
         """How many programs each jitted call has compiled (for no-recompilation checks)."""
         fns = {"prefill": self._prefill, "insert": self._insert, "generate": self._generate}
-        return {name: fn._cache_size() for name, fn in fns.items()}
+        return {name: fn._cache_size() for name, fn in fns.items()}  # type: ignore[attr-defined]  # jit's own count
 
     # ---- jitted bodies (public: adapters fuse them into their own jitted calls) ----
 
     def _cache_sharding(self, shape) -> NamedSharding:
         """Slots over the batch axes and KV heads over tensor, where they divide evenly."""
+        assert self.mesh is not None  # only called for an engine on a mesh
         return NamedSharding(
             self.mesh, sharding.fitting_spec(shape, KVCache.logical_axes, self.mesh, self.rules)
         )
@@ -415,7 +419,7 @@ class RolloutEngine:
             (cache, last), _ = step(init, (tokens, positions))
         else:
             (cache, last), _ = jax.lax.scan(step, init, (split(tokens), split(positions)))
-        logits = self.model.apply({"params": params}, last[:, None], method="head")[:, 0]
+        logits = jnp.asarray(self.model.apply({"params": params}, last[:, None], method="head"))[:, 0]
         return Prefix(cache=cache, last_logits=logits.astype(jnp.float32), lengths=lengths)
 
     def insert_impl(self, prefix: Prefix, state: DecodeState, cols, seed):

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from qarl_jax.models import ops
 
@@ -69,13 +70,14 @@ def _truncate(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Arra
 
 
 def sample(
-    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array
+    logits: jax.Array, keys: jax.Array, temperature: ArrayLike, top_p: ArrayLike, top_k: ArrayLike
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logits [S, V], typed keys [S], settings [S] -> (tokens, policy log-probs, sampling log-probs).
 
     Greedy rows take the argmax of the logits and report sampling log-prob 0 (a point mass). Without
     truncation the sampling log-prob is ``ops.log_softmax(logits, temperature)``: the trainer's
     log-prob at that temperature, bit for bit (temperature 1: the policy log-prob itself)."""
+    temperature, top_p, top_k = jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k)
     greedy = temperature <= 0
     tempered = ops.log_softmax(logits, jnp.where(greedy, 1.0, temperature))
     truncating = (~greedy) & ((top_p < 1) | (top_k > 0))

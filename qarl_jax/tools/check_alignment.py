@@ -128,7 +128,7 @@ def _rollout(config: Config, model, params, mesh: Mesh, prompts, stops: tuple[in
         progress=progress,
     )
     flat = [s for group in samples for s in group]
-    if not model.config.is_moe:
+    if recorder is None:  # not an MoE model
         return flat, None
     lengths = {(s.prompt_index, s.sample_index): len(prompts[s.prompt_index]) + s.length - 1 for s in flat}
     routes = recorder.routes(lengths)
@@ -150,7 +150,7 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
             batch = pack([seqs[i] for i in idx], a.train_rows, length)
         else:
             group = [samples[i] for i in idx]
-            batch = training_batch(
+            padded = training_batch(
                 [prompts[s.prompt_index] for s in group],
                 [s.tokens for s in group],
                 [s.sampling_logprobs for s in group],
@@ -158,7 +158,7 @@ def _batches(config: Config, prompts: list[list[int]], samples: list[Sample]):
                 config.rollout.max_len,
             )
             pad = ((0, a.train_rows - len(group)), (0, 0))
-            batch = {k: np.pad(batch[k], pad) for k in BATCH_KEYS} | {
+            batch = {k: np.pad(getattr(padded, k), pad) for k in BATCH_KEYS} | {
                 "where": [(j, 0) for j in range(len(group))]
             }
         yield list(idx), batch
@@ -207,8 +207,8 @@ def run(config: Config, progress: bool = True) -> dict:
     rollout_cfg = config.mesh
     if a.rollout_tensor is not None:  # the devices freed or taken go to (or come from) data parallelism
         free = [ax for ax in sharding.MESH_AXES if ax != "tensor" and getattr(config.mesh, ax) == -1]
-        changes = {"tensor": a.rollout_tensor} | ({} if free else {"data": -1})
-        rollout_cfg = dataclasses.replace(config.mesh, **changes)
+        data = config.mesh.data if free else -1
+        rollout_cfg = dataclasses.replace(config.mesh, tensor=a.rollout_tensor, data=data)
     rollout_mesh = _mesh(rollout_cfg, "alignment.rollout_tensor")
     with sharding.activate(train_mesh, config.mesh.rules):
         model, params = build_policy(config, train_mesh)

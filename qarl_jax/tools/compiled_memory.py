@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.quant import QuantSpec, quantize_params
-from qarl_jax.rl.batch import training_batch
+from qarl_jax.rl.batch import RolloutBatch, training_batch
 from qarl_jax.rl.train_step import (
     ObjectiveConfig,
     OptimizerConfig,
@@ -99,24 +99,22 @@ def jitted_outputs(fn, *args):
     )
 
 
-def _batch_axes(mesh: Mesh | None, rules) -> tuple[str, ...]:
-    axes = dict(rules)["batch"]
-    return () if mesh is None or axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-def abstract_batch(rows: int, length: int, mesh: Mesh | None, rules, extra: tuple[str, ...] = ()) -> dict:
+def abstract_batch(
+    rows: int, length: int, mesh: Mesh | None, rules, extra: tuple[str, ...] = ()
+) -> RolloutBatch:
     """The trainer's batch of ``rows`` sequences x ``length`` tokens, as the trainer places it
-    (rows over the batch axes). Keys and dtypes are those ``rl.batch.training_batch`` builds, plus
-    ``extra`` keys shaped like ``rollout_logp`` (old_logp, ref_logp)."""
+    (rows over the batch axes). Fields and dtypes are those ``rl.batch.training_batch`` builds, plus
+    the ``extra`` fields shaped like ``rollout_logp`` (old_logp, ref_logp)."""
     one = training_batch([[1]], [[2]], [[0.0]], [0.0], 1)
-    one.update({k: one["rollout_logp"] for k in extra})
-    names = _batch_axes(mesh, rules)
-    out = {}
-    for key, value in one.items():
+    one = one.replace(**{k: one.rollout_logp for k in extra})
+    names = () if mesh is None else sharding.batch_axes(rules)
+
+    def abstract(value) -> jax.ShapeDtypeStruct:
         shape = (rows,) + (length,) * (value.ndim - 1)
         s = None if mesh is None else NamedSharding(mesh, PartitionSpec(names or None))
-        out[key] = jax.ShapeDtypeStruct(shape, value.dtype, sharding=s)
-    return out
+        return jax.ShapeDtypeStruct(shape, value.dtype, sharding=s)
+
+    return one.map(abstract)
 
 
 def train_step_programs(
@@ -142,7 +140,7 @@ def train_step_programs(
         rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         ref = params if trainer._kl else None
-        state = TrainState(params=params, opt_state=opt_state, step=step, ref_params=ref)
+        state = TrainState(params=params, opt_state=opt_state, step=step, ref_params=ref)  # type: ignore[arg-type]  # abstract
         full = abstract_batch(sequences, length, mesh, rules)
         extra = ("old_logp", "ref_logp") if trainer._kl else ("old_logp",)
         mini = abstract_batch(sequences // train.num_minibatches, length, mesh, rules, extra)

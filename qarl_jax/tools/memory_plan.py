@@ -83,7 +83,7 @@ def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3C
     """(architecture, where it came from): ``preset_name``, else the checkpoint's config.json when
     ``model.path`` exists here, else ``model.preset``, which must then be stated (not the default)."""
     m = config.model
-    dtypes = dict(param_dtype=m.param_dtype, dtype=m.compute_dtype)
+    dtypes: dict[str, Any] = dict(param_dtype=m.param_dtype, dtype=m.compute_dtype)
     dtypes.update(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
     try:
         if preset_name is not None:
@@ -208,6 +208,7 @@ def plan(
 
     r, cb, pb = config.rollout, jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
     kv_spec = nn.logical_to_mesh_axes(KVCache.logical_axes, m.rules)
+    assert kv_spec is not None  # logical names given: a PartitionSpec comes back
     kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.num_key_value_heads, c.head_dim)
     notes = [
         f"KV cache: {d} does not split over {ax!r}: replicated"
@@ -248,7 +249,7 @@ def plan(
         scoring=rows["scoring"] * r.max_len * a * cb + logits(rows["scoring"]) + gathered,
         update=rows["micro"] * r.max_len * saved * cb + logits(rows["micro"]) + 2 * gathered,
     )
-    peak = max(PHASES, key=phases.get)
+    peak = max(PHASES, key=lambda name: phases[name])
     total = sum(persistent.values()) + phases[peak]
     hbm = None if hbm_gb is None else hbm_gb * GB
     return dict(
@@ -299,7 +300,7 @@ def compiled_plan(config: Config, p: dict[str, Any], preset_name: str | None = N
     )
     programs += decode
     run = {x.name: x.peak + beside[x.name] for x in programs}
-    peak = max(run, key=run.get)
+    peak = max(run, key=lambda name: run[name])
     hbm = p["hbm_bytes"]
     return dict(
         programs=programs,

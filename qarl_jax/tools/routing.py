@@ -41,12 +41,12 @@ class RouteRecorder:
     """Records, for every token the engine's decode forward processes, the experts it was routed
     to (read back once, by :meth:`routes`). Pass it as ``RolloutEngine(..., hook=recorder)``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._prompts: Sequence[Sequence[int]] = ()
         self._prefill_routes: jax.Array | None = None
         self._slot_sample: dict[int, SampleId] = {}
-        self._prefill_rows: list[tuple[SampleId, int, int, jax.Array]] = []  # id, row, prompt len, routes
-        self._steps: list[tuple[dict[int, SampleId], jax.Array, jax.Array, jax.Array]] = []
+        self._prefill_rows: list[tuple[SampleId, int, int, jax.Array | None]] = []  # id, row, plen, routes
+        self._steps: list[tuple[dict[int, SampleId], jax.Array, jax.Array, jax.Array | None]] = []
 
     def collect(self, positions: jax.Array, intermediates: dict) -> tuple[jax.Array, jax.Array | None]:
         return positions, routed_experts(intermediates)

@@ -1,20 +1,30 @@
 """Long rollouts: chunked prefill (same bits as one whole-prompt call), the engine's KV-cache bytes
-per device, and XLA's compiled memory of the run's programs (``memory_plan --compiled``)."""
+per device, and XLA's compiled memory of the run's programs (``memory_plan --compiled``, which
+found the optimizer state replicated: its placement is tested here too)."""
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.quant import QuantSpec, quantize_params
+from qarl_jax.rl.objectives import ObjectiveConfig
+from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
 from qarl_jax.rollout import EngineConfig, RolloutEngine
 from qarl_jax.tools.memory_plan import main
 
-CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
+REPO = pathlib.Path(__file__).parents[1]
+CONFIGS = REPO / "configs"
 
 
 def test_chunked_prefill_is_bitwise_the_whole_prompt_prefill():
@@ -68,3 +78,42 @@ def test_memory_plan_compiled_prints_xla_memory(capsys):
     for program in ("old_logprobs", "update", "prefill", "decode_step"):
         assert f"  {program}" in out
     assert "compiled total" in out and "fits" in out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
+    """jit(tx.init) alone replicated the moments on every device (their zeros read no input);
+    Trainer.init_state places each like its parameter."""
+    mesh_cfg = sharding.MeshConfig(data=1, fsdp=8)
+    mesh = sharding.make_mesh(mesh_cfg)
+    model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1))
+    with sharding.activate(mesh, mesh_cfg.rules):
+        params = sharding.init_sharded(model, jax.random.key(0), mesh, mesh_cfg.rules)
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(name=optimizer), mesh=mesh)
+    state = trainer.init_state(params)
+
+    def names(path):
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    like = {names(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
+    moments = []
+    for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
+        n = names(path)
+        p = next((like[n[i:]] for i in range(len(n)) if n[i:] in like), None)
+        if p is not None and p.shape == x.shape and x.ndim:
+            moments.append((x, p))
+    assert len(moments) >= len(like)  # at least one moment per parameter
+    assert all(x.sharding == p.sharding for x, p in moments)
+    assert any(x.sharding.spec != P() for x, _ in moments)
+
+
+def test_long_context_benchmark_runs_at_a_tiny_shape(tmp_path):
+    """benchmarks/long_context.py's memory section at toy shapes (the real ones are minutes of
+    compiles): it writes its JSON with one row per length and the growth beside it."""
+    out = tmp_path / "lc.json"
+    cmd = [sys.executable, "benchmarks/long_context.py", "--tiny", "--sections", "memory", "--json", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())["memory"]
+    assert [r["length"] for r in rows] == [64, 256]
+    assert rows[0]["temp_gb"] > 0 and rows[1]["growth_per_4x"] == rows[1]["temp_gb"] / rows[0]["temp_gb"]

@@ -175,6 +175,26 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
+    """Shardings of ``tx.init(params)``: a leaf whose dict-key path ends in a parameter's, with its
+    shape (a moment), like that parameter; the rest (step counts, Muon's masked-out slots) replicated.
+    ``jax.jit(tx.init)`` alone leaves the zeros' layout to XLA, which replicates them (they read no
+    input's data): measured, every device held the whole AdamW state."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def names(path) -> tuple:
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    like = {names(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
+
+    def pick(path, leaf):  # the parameter path may sit under the optimizer's own keys ("adam")
+        n = names(path)
+        p = next((like[n[i:]] for i in range(len(n)) if n[i:] in like), None)
+        return p.sharding if p is not None and p.shape == leaf.shape else rep
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
 class Trainer:
     """Owns the jitted functions of the training step for one model, objective and optimizer."""
 
@@ -235,7 +255,8 @@ class Trainer:
         with self._context():
             params = jax.tree.map(lambda x: x.copy(), params)
             ref = jax.tree.map(lambda x: x.copy(), params) if self._kl else None
-            opt_state = jax.jit(self.tx.init)(params)
+            shardings = None if self.mesh is None else optimizer_shardings(self.tx, params, self.mesh)
+            opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
         return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32), ref_params=ref)
 
     def shard_batch(self, batch: RolloutBatch) -> RolloutBatch:

@@ -8,7 +8,9 @@ Used by ``python -m qarl_jax.tools.memory_plan --compiled`` (which provides the 
 devices of the mesh's size, ``--xla_force_host_platform_device_count``) and by
 ``benchmarks/long_context.py``. On CPU the figures are XLA:CPU's buffer assignment: the same
 programs an accelerator runs, scheduled by another backend, so read them as the size of what
-must be alive, not as a byte-exact GPU/TPU prediction.
+must be alive, not as a byte-exact GPU/TPU prediction. One known CPU-only excess: XLA:CPU scatters
+a bf16 array through an f32 copy, so the decode step's temporaries hold the KV cache twice over in
+f32 (GPUs and TPUs write the bf16 cache in place).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rl.batch import RolloutBatch, training_batch
-from qarl_jax.rl.train_step import ObjectiveConfig, OptimizerConfig, TrainConfig, Trainer, TrainState
+from qarl_jax.rl.train_step import (
+    ObjectiveConfig,
+    OptimizerConfig,
+    TrainConfig,
+    Trainer,
+    TrainState,
+    optimizer_shardings,
+)
 from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
 
 
@@ -75,6 +84,10 @@ def abstract_params(model: Qwen3ForCausalLM, mesh: Mesh | None, rules) -> dict:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
 
 
+def _with_sharding(x, s) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+
 def jitted_outputs(fn, *args):
     """Structs of ``jax.jit(fn)(*args)``'s outputs with the shardings XLA gives them (how the
     trainer builds its optimizer state and the loop its frozen weights: jitted, shardings
@@ -120,7 +133,10 @@ def train_step_programs(
     trainer = Trainer(model, objective, train, optimizer, mesh=mesh, rules=rules)
     with trainer._context():
         params = abstract_params(model, mesh, rules)
-        opt_state = jitted_outputs(trainer.tx.init, params)
+        opt_state = jax.eval_shape(trainer.tx.init, params)
+        if mesh is not None:  # as Trainer.init_state places it
+            shard = optimizer_shardings(trainer.tx, params, mesh)
+            opt_state = jax.tree.map(_with_sharding, opt_state, shard)
         rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         ref = params if trainer._kl else None

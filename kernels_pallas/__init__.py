@@ -23,6 +23,7 @@ Layout, one package per operation, each with the same modules::
     _checks.py     operand checks, one per operand kind
     _tiling.py     block sizes, powers of two, padding
     _rowblocks.py  the CPU path's one row-block loop
+    fused.py       ``fused_rows``: a chain of row-wise kernels as one row-block program
     _triton.py / _mosaic.py  the GPU / TPU Pallas compiler settings
 
 Imports nothing but JAX (and numpy, which JAX requires); a backend's Pallas module is imported on
@@ -38,6 +39,7 @@ from kernels_pallas.formats import (
     quantize_activations,
     resolve_group_size,
 )
+from kernels_pallas.fused import fused_rows
 from kernels_pallas.grouped import grouped_matmul, grouped_matmul_ste, reference_grouped_matmul
 from kernels_pallas.matmul import quantized_matmul, quantized_matmul_ste, reference_matmul
 
@@ -46,6 +48,7 @@ __all__ = [
     "QuantizedWeight",
     "default_backend",
     "dequantize",
+    "fused_rows",
     "grouped_matmul",
     "grouped_matmul_ste",
     "quantize",

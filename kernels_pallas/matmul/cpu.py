@@ -5,13 +5,11 @@ bitwise independent of M and of its neighbours). The reference is
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas._rowblocks import map_row_blocks
+from kernels_pallas._rowblocks import map_row_blocks, row_kernel
 from kernels_pallas._tiling import rows_per_block
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, quantize_activations, unpack_int4
 
@@ -81,7 +79,7 @@ def block_matmul(
     return _scaled_sum(_group_dots(qx, wv, group_size, jnp.int32), scales) * sx
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows"))
+@row_kernel(static_argnames=("out_dtype", "block_rows"))
 def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, block_rows: int | None = None) -> jax.Array:
     """[M, K] x QuantizedWeight [K, N] -> [M, N] over fixed row blocks (inputs already checked)."""
     block_rows = block_rows or default_block_rows(w.k, w.n)
@@ -91,4 +89,4 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, block_rows: int | Non
         return (block_matmul(w.fmt, w.group_size, xb, wv, scales),)
 
     out = jax.ShapeDtypeStruct((w.n,), out_dtype)
-    return map_row_blocks(block, (x,), block_rows, (out,))[0]
+    return map_row_blocks(block, (x,), block_rows, (out,), fusable=True)[0]

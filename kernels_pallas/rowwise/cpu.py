@@ -4,19 +4,17 @@ width only."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas._rowblocks import map_row_blocks
+from kernels_pallas._rowblocks import map_row_blocks, row_kernel
 from kernels_pallas._tiling import pad_axis, round_up, rows_per_block
 from kernels_pallas.rowwise.common import lse_step
 from kernels_pallas.rowwise.reference import reference_rms_norm, reference_rope
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_rows"))
+@row_kernel(static_argnames=("eps", "block_rows"))
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, block_rows: int | None = None) -> jax.Array:
     """x [M, D] -> [M, D] (Qwen3 numerics)."""
     w = weight.astype(x.dtype)
@@ -25,10 +23,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, block_rows: int | N
         return (reference_rms_norm(xb, w, eps),)
 
     out = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    return map_row_blocks(block, (x,), block_rows or rows_per_block(x.shape[1]), (out,))[0]
+    return map_row_blocks(block, (x,), block_rows or rows_per_block(x.shape[1]), (out,), fusable=True)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("theta", "block_rows"))
+@row_kernel(static_argnames=("theta", "block_rows"))
 def rope(x: jax.Array, positions: jax.Array, *, theta: float, block_rows: int | None = None) -> jax.Array:
     """x [M, H, D] rotated at positions [M]."""
 
@@ -37,10 +35,10 @@ def rope(x: jax.Array, positions: jax.Array, *, theta: float, block_rows: int | 
 
     out = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     rows = block_rows or rows_per_block(x.shape[1] * x.shape[2])
-    return map_row_blocks(block, (x, positions), rows, (out,))[0]
+    return map_row_blocks(block, (x, positions), rows, (out,), fusable=True)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "block_rows"))
+@row_kernel(static_argnames=("block_v", "block_rows"))
 def logsumexp(x: jax.Array, *, block_v: int, block_rows: int | None = None) -> jax.Array:
     """log(sum(exp(x))) of x [M, V] -> [M] f32, the vocabulary in ascending chunks of ``block_v``."""
     v = x.shape[1]
@@ -49,17 +47,18 @@ def logsumexp(x: jax.Array, *, block_v: int, block_rows: int | None = None) -> j
     block_rows = block_rows or rows_per_block(block_v)
 
     def block(xb):
-        xc = xb.reshape(block_rows, chunks, block_v)
+        rows = xb.shape[0]  # block_rows, or every row inside a fused block
+        xc = xb.reshape(rows, chunks, block_v)
 
         def step(c, carry):
             return lse_step(*carry, lax.dynamic_index_in_dim(xc, c, axis=1, keepdims=False))
 
-        init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32))
+        init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
         m, s = lax.fori_loop(0, chunks, step, init)
         return (m + jnp.log(s),)
 
     out = jax.ShapeDtypeStruct((), jnp.float32)
-    return map_row_blocks(block, (xp,), block_rows, (out,))[0]
+    return map_row_blocks(block, (xp,), block_rows, (out,), fusable=True)[0]
 
 
 def scale_rows(x: jax.Array, inv: jax.Array, *, block_rows: int | None = None) -> jax.Array:
@@ -70,4 +69,4 @@ def scale_rows(x: jax.Array, inv: jax.Array, *, block_rows: int | None = None) -
         return (xb * ib[:, None],)
 
     out = jax.ShapeDtypeStruct(x.shape[1:], jnp.float32)
-    return map_row_blocks(block, (x, inv), block_rows or rows_per_block(x.shape[1]), (out,))[0]
+    return map_row_blocks(block, (x, inv), block_rows or rows_per_block(x.shape[1]), (out,), fusable=True)[0]

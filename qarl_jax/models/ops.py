@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import rowwise
+from kernels_pallas import fused_rows, rowwise
 from kernels_pallas.attention import attention as invariant_attention
 from qarl_jax import sharding
 
@@ -43,6 +43,29 @@ def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -
     spec = P(names) if names and rows % sharding.axis_ways(names, mesh) == 0 else P()
     specs = tuple(spec if b else P() for b in batched)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
+
+
+def fused_tokens(
+    fn: Callable[..., tuple[jax.Array, ...]],
+    rows: tuple[jax.Array, ...],
+    weights,
+    *,
+    block_rows: int,
+    prepare: Callable | None = None,
+) -> tuple[jax.Array, ...]:
+    """``fn(*token_blocks, weights)`` over the tokens of ``rows`` [B, T, ...] as one row-block
+    program (:func:`kernels_pallas.fused_rows`), per device; outputs [B, T, ...]. For the per-token
+    chains of a layer (norms, projections, RoPE, residuals): one loop instead of one per kernel,
+    every token's bits still independent of the batch."""
+
+    def run(*args):
+        *xs, w = args
+        b, t = xs[0].shape[:2]
+        flat = [a.reshape(b * t, *a.shape[2:]) for a in xs]
+        outs = fused_rows(fn, flat, w, block_rows=block_rows, prepare=prepare)
+        return tuple(o.reshape(b, t, *o.shape[1:]) for o in outs)
+
+    return per_device(run, *rows, weights, batched=(*(True,) * len(rows), False))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from kernels_pallas import fused, rowwise
 from qarl_jax import quant
 from qarl_jax.models import ops
 from qarl_jax.models.config import Qwen3Config
@@ -99,46 +100,101 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, scale, self.eps)
 
 
-class Attention(nn.Module):
-    config: Qwen3Config
-    quant: quant.QuantSpec | None
+class _NormScale(nn.Module):
+    """An RMSNorm's ``scale`` parameter (ones at init), for the fused per-token regions."""
+
+    dim: int
+    param_dtype: str
 
     @nn.compact
-    def __call__(self, x, positions, starts, segment_ids, layer_cache=None):
-        c = self.config
-        b, t, _ = x.shape
-        h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        dense = lambda n, axes, name: Dense(n, "attention", axes, c, self.quant, name=name)
-        q = dense(h * d, ("embed", "q_heads"), "q_proj")(x).reshape(b, t, h, d)
-        k = dense(kv * d, ("embed", "kv_heads"), "k_proj")(x).reshape(b, t, kv, d)
-        v = dense(kv * d, ("embed", "kv_heads"), "v_proj")(x).reshape(b, t, kv, d)
-        q = RMSNorm(d, c.rms_norm_eps, c.param_dtype, name="q_norm")(q)
-        k = RMSNorm(d, c.rms_norm_eps, c.param_dtype, name="k_norm")(k)
-        q = ops.rope(q, positions, c.rope_theta)
-        k = ops.rope(k, positions, c.rope_theta)
-        if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
-            ck, cv, i = layer_cache  # the whole stacked cache, written in place at layer i
-            rows = jnp.arange(b)[:, None]
-            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
-            k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
-        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, starts, segment_ids)
-        out = nn.with_logical_constraint(out.reshape(b, t, h * d), ("batch", "length", "act_heads"))
-        return dense(c.hidden_size, ("q_heads", "embed"), "o_proj")(out), layer_cache
+    def __call__(self) -> jax.Array:
+        return _param(
+            self, "scale", (self.dim,), ("norm",), jnp.dtype(self.param_dtype), nn.initializers.ones
+        )
 
 
-class MLP(nn.Module):
+def _norm_weights(c: Qwen3Config, dim: int, name: str) -> dict:
+    return {"scale": _NormScale(dim, c.param_dtype, name=name)()}
+
+
+class AttentionWeights(nn.Module):
+    """The attention's parameters: q/k/v/o projections and the q/k RMSNorm scales."""
+
     config: Qwen3Config
-    quant: quant.QuantSpec | None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self) -> dict:
         c = self.config
-        dense = lambda n, axes, name: Dense(n, "mlp", axes, c, self.quant, name=name)
-        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
-        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
-        hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
+        h, kv, d = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.head_dim
+        dt = c.param_dtype
+        kernel = lambda shape, axes, name: {"kernel": _Kernel(shape, axes, dt, name=name)()}
+        return {
+            "q_proj": kernel((c.hidden_size, h), ("embed", "q_heads"), "q_proj"),
+            "k_proj": kernel((c.hidden_size, kv), ("embed", "kv_heads"), "k_proj"),
+            "v_proj": kernel((c.hidden_size, kv), ("embed", "kv_heads"), "v_proj"),
+            "o_proj": kernel((h, c.hidden_size), ("q_heads", "embed"), "o_proj"),
+            "q_norm": _norm_weights(c, d, "q_norm"),
+            "k_norm": _norm_weights(c, d, "k_norm"),
+        }
+
+
+class MLPWeights(nn.Module):
+    """The dense MLP's gate/up/down projections."""
+
+    config: Qwen3Config
+
+    @nn.compact
+    def __call__(self) -> dict:
+        c = self.config
+        dt, hd, inter = c.param_dtype, c.hidden_size, c.intermediate_size
+        return {
+            "gate_proj": {"kernel": _Kernel((hd, inter), ("embed", "mlp"), dt, name="gate_proj")()},
+            "up_proj": {"kernel": _Kernel((hd, inter), ("embed", "mlp"), dt, name="up_proj")()},
+            "down_proj": {"kernel": _Kernel((inter, hd), ("mlp", "embed"), dt, name="down_proj")()},
+        }
+
+
+def fused_block_rows(c: Qwen3Config) -> int:
+    """Tokens per block of a layer's fused per-token chains: a function of the layer's widths only
+    (never of the number of tokens)."""
+    widest = max(c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    return fused.default_block_rows(widest)
+
+
+def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None):
+    """``fn`` over the tokens of ``rows`` as one block program; master weights are quantized once,
+    before the loop (the frozen ones pass as they are)."""
+    prepare = None if spec is None else (lambda w: quant.quantize_params(w, spec))
+    return ops.fused_tokens(fn, rows, weights, block_rows=fused_block_rows(c), prepare=prepare)
+
+
+def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None):
+    """Per token: input RMSNorm, q/k/v projections, q/k RMSNorms, RoPE. x [N, H], positions [N]
+    -> q [N, heads, D], k, v [N, kv_heads, D]."""
+    n, d = x.shape[0], c.head_dim
+    eps, a = c.rms_norm_eps, w["self_attn"]
+    h = rowwise.rms_norm(x, w["input_layernorm"]["scale"], eps).astype(c.dtype)
+    proj = lambda name, heads: quant.dot(h, a[name]["kernel"], spec, "attention").reshape(n, heads, d)
+    q = proj("q_proj", c.num_attention_heads)
+    k = proj("k_proj", c.num_key_value_heads)
+    v = proj("v_proj", c.num_key_value_heads)
+    q = rowwise.rope(rowwise.rms_norm(q, a["q_norm"]["scale"], eps), positions, c.rope_theta)
+    k = rowwise.rope(rowwise.rms_norm(k, a["k_norm"]["scale"], eps), positions, c.rope_theta)
+    return q, k, v
+
+
+def _post_attention(attn, x, w, c: Qwen3Config, spec: quant.QuantSpec | None, dense_mlp: bool):
+    """Per token: output projection and residual, post-attention RMSNorm and, for a dense layer,
+    the MLP and its residual. attn [N, heads * D], x [N, H] -> (x', ) dense, (x', normed x') MoE."""
+    o = quant.dot(attn.astype(c.dtype), w["self_attn"]["o_proj"]["kernel"], spec, "attention")
+    x = x + o
+    h = rowwise.rms_norm(x, w["post_attention_layernorm"]["scale"], c.rms_norm_eps)
+    if not dense_mlp:
+        return x, h
+    m, hc = w["mlp"], h.astype(c.dtype)
+    gate = quant.dot(hc, m["gate_proj"]["kernel"], spec, "mlp")
+    up = quant.dot(hc, m["up_proj"]["kernel"], spec, "mlp")
+    return (x + quant.dot((nn.silu(gate) * up).astype(c.dtype), m["down_proj"]["kernel"], spec, "mlp"),)
 
 
 class _Kernel(nn.Module):
@@ -271,14 +327,34 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, positions, starts, segment_ids):
         x, layer_cache = carry
         c = self.config
-        h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="input_layernorm")(x)
-        h, layer_cache = Attention(c, self.quant, name="self_attn")(
-            h, positions, starts, segment_ids, layer_cache
+        b, t, _ = x.shape
+        dense_mlp = not c.is_moe_layer(self.layer)
+        attn_w = AttentionWeights(c, name="self_attn")()
+        pre = {"input_layernorm": _norm_weights(c, c.hidden_size, "input_layernorm"), "self_attn": attn_w}
+        q, k, v = _fused(
+            lambda x, p, w: _pre_attention(x, p, w, c, self.quant), (x, positions), pre, c, self.quant
         )
-        x = x + h
-        h = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="post_attention_layernorm")(x)
-        ffn = MoE if c.is_moe_layer(self.layer) else MLP
-        x = x + ffn(c, self.quant, name="mlp")(h)
+        q, k, v = (checkpoint_name(a, MATMUL_OUTPUT) for a in (q, k, v))
+        if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
+            ck, cv, i = layer_cache  # the whole stacked cache, written in place at layer i
+            rows = jnp.arange(b)[:, None]
+            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
+            k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, starts, segment_ids)
+        out = nn.with_logical_constraint(out.reshape(b, t, -1), ("batch", "length", "act_heads"))
+        post = {
+            "self_attn": {"o_proj": attn_w["o_proj"]},
+            "post_attention_layernorm": _norm_weights(c, c.hidden_size, "post_attention_layernorm"),
+        }
+        if dense_mlp:
+            post["mlp"] = MLPWeights(c, name="mlp")()
+        outs = _fused(
+            lambda a, x, w: _post_attention(a, x, w, c, self.quant, dense_mlp), (out, x), post, c, self.quant
+        )
+        x = checkpoint_name(outs[0], MATMUL_OUTPUT)
+        if not dense_mlp:
+            x = x + MoE(c, self.quant, name="mlp")(outs[1])
         if c.scan_layers:  # a scan's carry keeps its type (plain XLA matmuls promote to the params')
             x = x.astype(carry[0].dtype)
         if layer_cache is not None:

@@ -11,9 +11,9 @@ import pytest
 
 from kernels_pallas import rowwise
 from kernels_pallas._tiling import rows_per_block
-from kernels_pallas.matmul.cpu import default_block_rows
 from qarl_jax import quant, sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.models.qwen3 import fused_block_rows
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.objectives import ObjectiveConfig, normalisers
@@ -261,27 +261,26 @@ def _batch_ways(mesh) -> int:
 
 def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> None:
     """Every kernel's row-block loop in the compiled (per-device) program sits under shard_map, and
-    the loop carries of the RMSNorms, the log-softmax and the projections are blocks of the *local*
+    the loop carries of the fused per-token chains and the log-softmax are blocks of the *local*
     rows (sequences per device x length), per the kernels' own block rules."""
     loops = KERNEL_LOOP.findall(hlo)
-    kernel_jit = r"jit\((matmul|grouped_matmul|rms_norm|rope|logsumexp|attention)\)"  # the CPU kernels
+    # the CPU kernels, and a layer's fused per-token chains
+    kernel_jit = r"jit\((matmul|grouped_matmul|rms_norm|rope|logsumexp|attention)\)|_attention/"
+
     kernels = [(shape, name) for shape, name in loops if re.search(kernel_jit, name)]
-    assert len(kernels) > 20 and all("shard_map/" in name for _, name in kernels), kernels
+    assert len(kernels) > 8 and all("shard_map/" in name for _, name in kernels), kernels
     rows = local_seqs * batch.tokens.shape[1]
-    h, blocks = config.hidden_size, lambda r, b: -(-r // b)
-    norm_rows = rows_per_block(h)
+    h, heads, blocks = config.hidden_size, config.num_attention_heads, lambda r, b: -(-r // b)
     lse_rows = rows_per_block(rowwise.default_block_v(config.vocab_size))
-    mlp_rows = default_block_rows(h, config.intermediate_size)
-    d, heads = config.head_dim, rows * config.num_attention_heads  # q_norm: one row per head
-    head_rows = rows_per_block(d)
-    expected = {
-        "input_layernorm/": f"f32[{blocks(rows, norm_rows) + 1},{norm_rows},{h}]",
-        "q_norm/": f"f32[{blocks(heads, head_rows) + 1},{head_rows},{d}]",
-        "jit(logsumexp)": f"f32[{blocks(rows, lse_rows) + 1},{lse_rows}]",
-        "up_proj/": f"f32[{blocks(rows, mlp_rows) + 1},{mlp_rows},{config.intermediate_size}]",
+    fused = fused_block_rows(config)
+    nb = blocks(rows, fused) + 1
+    expected = {  # the fused loops' first carries: q [.., heads, D], the layer's output [.., H]
+        r"pre_attention/shard_map/while$": f"f32[{nb},{fused},{heads},{config.head_dim}]",
+        r"post_attention/shard_map/while$": f"f32[{nb},{fused},{h}]",
+        r"jit\(logsumexp\)": f"f32[{blocks(rows, lse_rows) + 1},{lse_rows}]",
     }
     for key, shape in expected.items():
-        got = {s for s, name in kernels if key in name}
+        got = {s for s, name in kernels if re.search(key, name)}
         assert got == {shape}, (key, got, shape)
 
 

@@ -9,6 +9,7 @@ Only exact or elementwise work (residual adds, activations, gathers) is left to 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,10 @@ from kernels_pallas import fused_rows, rowwise
 from kernels_pallas.attention import attention as invariant_attention
 from qarl_jax import sharding
 
+R = TypeVar("R")  # what the per-device function returns: an array or a tuple of them
 
-def per_device(fn: Callable[..., jax.Array], *args, batched: tuple[bool, ...]) -> jax.Array:
+
+def per_device(fn: Callable[..., R], *args, batched: tuple[bool, ...]) -> R:
     """``fn(*args)`` with each device running it on its own batch rows (leading axis of the
     ``batched`` args and of the result) under the active mesh and the logical "batch" rule; other
     args are gathered whole. Why: under plain jit the SPMD partitioner splits a kernel's row-block
@@ -52,11 +55,12 @@ def fused_tokens(
     *,
     block_rows: int,
     prepare: Callable | None = None,
+    name: str = "fused_tokens",
 ) -> tuple[jax.Array, ...]:
     """``fn(*token_blocks, weights)`` over the tokens of ``rows`` [B, T, ...] as one row-block
     program (:func:`kernels_pallas.fused_rows`), per device; outputs [B, T, ...]. For the per-token
     chains of a layer (norms, projections, RoPE, residuals): one loop instead of one per kernel,
-    every token's bits still independent of the batch."""
+    every token's bits still independent of the batch. ``name`` scopes its ops (profiles, HLO)."""
 
     def run(*args):
         *xs, w = args
@@ -65,7 +69,8 @@ def fused_tokens(
         outs = fused_rows(fn, flat, w, block_rows=block_rows, prepare=prepare)
         return tuple(o.reshape(b, t, *o.shape[1:]) for o in outs)
 
-    return per_device(run, *rows, weights, batched=(*(True,) * len(rows), False))
+    with jax.named_scope(name):
+        return per_device(run, *rows, weights, batched=(*(True,) * len(rows), False))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -161,11 +161,11 @@ def fused_block_rows(c: Qwen3Config) -> int:
     return fused.default_block_rows(widest)
 
 
-def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None):
+def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None, name: str):
     """``fn`` over the tokens of ``rows`` as one block program; master weights are quantized once,
     before the loop (the frozen ones pass as they are)."""
     prepare = None if spec is None else (lambda w: quant.quantize_params(w, spec))
-    return ops.fused_tokens(fn, rows, weights, block_rows=fused_block_rows(c), prepare=prepare)
+    return ops.fused_tokens(fn, rows, weights, block_rows=fused_block_rows(c), prepare=prepare, name=name)
 
 
 def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None):
@@ -332,7 +332,12 @@ class DecoderLayer(nn.Module):
         attn_w = AttentionWeights(c, name="self_attn")()
         pre = {"input_layernorm": _norm_weights(c, c.hidden_size, "input_layernorm"), "self_attn": attn_w}
         q, k, v = _fused(
-            lambda x, p, w: _pre_attention(x, p, w, c, self.quant), (x, positions), pre, c, self.quant
+            lambda x, p, w: _pre_attention(x, p, w, c, self.quant),
+            (x, positions),
+            pre,
+            c,
+            self.quant,
+            "pre_attention",
         )
         q, k, v = (checkpoint_name(a, MATMUL_OUTPUT) for a in (q, k, v))
         if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
@@ -350,7 +355,12 @@ class DecoderLayer(nn.Module):
         if dense_mlp:
             post["mlp"] = MLPWeights(c, name="mlp")()
         outs = _fused(
-            lambda a, x, w: _post_attention(a, x, w, c, self.quant, dense_mlp), (out, x), post, c, self.quant
+            lambda a, x, w: _post_attention(a, x, w, c, self.quant, dense_mlp),
+            (out, x),
+            post,
+            c,
+            self.quant,
+            "post_attention",
         )
         x = checkpoint_name(outs[0], MATMUL_OUTPUT)
         if not dense_mlp:

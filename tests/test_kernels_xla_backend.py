@@ -19,9 +19,15 @@ def test_matmuls_match_the_invariant_kernels(fmt):
     )
     qw, qe, gs = kp.quantize(w, fmt), kp.quantize(we, fmt), jnp.array([2, 3], jnp.int32)
     cpu = kp.quantized_matmul(x, qw, out_dtype=jnp.float32)
+    f = lambda x, w: kp.quantized_matmul(x, w, out_dtype=jnp.float32)
     with kp.default_backend("xla"):  # read at trace time
-        xla = jax.jit(lambda x, w: kp.quantized_matmul(x, w, out_dtype=jnp.float32))(x, qw)
+        xla = jax.jit(f)(x, qw)
+        xla_program = jax.jit(f).lower(x, qw).as_text()
     np.testing.assert_allclose(xla, cpu, rtol=2e-6, atol=2e-5)
+    # the region really ran XLA's ops: no row-block loop (the invariant kernel's is a while loop;
+    # a new function: jit's trace cache would hand back the xla trace of ``f``)
+    invariant = jax.jit(lambda x, w: kp.quantized_matmul(x, w, out_dtype=jnp.float32))
+    assert "while" not in xla_program and "while" in invariant.lower(x, qw).as_text()
     g_cpu = kp.grouped_matmul(x, qe, gs, out_dtype=jnp.float32)
     g_xla = kp.grouped_matmul(x, qe, gs, out_dtype=jnp.float32, backend="xla")
     np.testing.assert_allclose(g_xla, g_cpu, rtol=2e-6, atol=2e-5)

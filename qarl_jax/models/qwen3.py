@@ -3,8 +3,10 @@
 Numerically the Hugging Face models (checked against transformers in the tests), with two seams
 that the rest of qarl-jax relies on: every projection goes through ``qarl_jax.quant.dot`` /
 ``grouped_dot`` (one matmul entry point: quantized kernels plug in everywhere at once) and every
-row-wise op through ``qarl_jax.models.ops``. Parameters and activations carry logical axis names
-(see ``qarl_jax.sharding``).
+row-wise op through ``qarl_jax.models.ops``. A layer's per-token work runs as two fused chains
+(``ops.fused_tokens``: input norm, q/k/v, q/k norms, RoPE; then o_proj, residual, norm, dense MLP,
+residual), each one row-block program on the CPU; the attention sits between them. Parameters and
+activations carry logical axis names (see ``qarl_jax.sharding``).
 
 Two entry points share the weights:
   ``model.apply(v, tokens, positions=None, segment_ids=None)`` -> logits  (training / scoring)

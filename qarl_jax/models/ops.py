@@ -3,7 +3,8 @@
 Every norm, attention, softmax and log-softmax in the models goes through these functions; they run
 the batch-invariant kernels of ``kernels_pallas`` (fixed row blocks, fixed key-block and vocabulary
 chunk order), so a token's bits do not depend on the batch, the packing or the KV-cache length.
-Only exact or elementwise work (residual adds, activations, gathers) is left to XLA.
+A layer's per-token chains (norms, projections, RoPE, residuals) run as one such program each
+(:func:`fused_tokens`). Only exact or elementwise work (activations, gathers) is left to XLA.
 """
 
 from __future__ import annotations
@@ -76,11 +77,6 @@ def fused_tokens(
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3's RMSNorm: normalise in f32, cast back to the input dtype, then scale."""
     return per_device(lambda x, w: rowwise.rms_norm(x, w, eps), x, weight, batched=(True, False))
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, non-interleaved halves (rotate_half), angles in f32. x: [B, T, H, D]."""
-    return per_device(lambda x, p: rowwise.rope(x, p, theta), x, positions, batched=(True, True))
 
 
 def attention(

@@ -22,3 +22,28 @@ def gsm8k_dir() -> pathlib.Path:
     if not path.is_dir():
         pytest.fail(f"GSM8K data not found at {path}: the repo expects ../shared beside it")
     return path
+
+
+@pytest.fixture(scope="module")
+def module_compilation_cache(tmp_path_factory):
+    """XLA's persistent cache for one module's runs (they recompile the same programs), in a
+    directory of its own, switched off again when the module ends. Why scoped: JAX initialises the
+    cache once per process, so a module that merely set the directory left every later test of the
+    session writing and reading it; deserialising an XLA:CPU executable written by another module
+    crashed the process (SIGSEGV in ``get_executable_and_time``, JAX issue 28908's family)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    options = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax-cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in old.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()

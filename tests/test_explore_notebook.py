@@ -5,7 +5,6 @@ import json
 import math
 import pathlib
 
-import jax
 import nbformat
 import numpy as np
 import pytest
@@ -21,10 +20,8 @@ SMOKE = REPO / "configs" / "loop_smoke.yaml"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Runs in one session recompile the same programs: share them through the persistent cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def compilation_cache(module_compilation_cache):
+    """This module's runs recompile the same programs: they share them through the persistent cache."""
 
 
 @pytest.fixture(scope="module")

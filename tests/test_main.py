@@ -25,9 +25,8 @@ SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def compilation_cache(module_compilation_cache):
+    """This module's runs recompile the same programs: they share them through the persistent cache."""
 
 
 def test_main_trains_and_exports(tmp_path, capsys):

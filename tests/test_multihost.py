@@ -52,9 +52,8 @@ def without_time(metrics: dict) -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def compilation_cache(module_compilation_cache):
+    """This module's runs recompile the same programs: they share them through the persistent cache."""
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
 from qarl_jax.tools.check_alignment import KEYS, main
@@ -22,24 +21,12 @@ SMALL = [
     "rollout.max_new_tokens=8",
     "rollout.slots=4",
 ]
-CACHE_OPTIONS = {
-    "jax_compilation_cache_dir": None,
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shared_compilations(tmp_path_factory):
+def shared_compilations(module_compilation_cache):
     """Every run builds a new engine and loss, so nothing is reused in memory; a persistent XLA cache
     lets runs share identical programs (the naive run's rollout is the aligned run's)."""
-    old = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    options = CACHE_OPTIONS | {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla_cache"))}
-    for name, value in options.items():
-        jax.config.update(name, value)
-    yield
-    for name, value in old.items():
-        jax.config.update(name, value)
 
 
 def check(capsys, *overrides: str) -> dict:

@@ -4,9 +4,7 @@ import json
 import pathlib
 import struct
 
-import jax
 import numpy as np
-import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from qarl_jax import quant, sharding
@@ -35,13 +33,6 @@ def events(run_dir: pathlib.Path) -> list[Event]:
 
 def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
     return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Runs in one session recompile the same programs: share them through the persistent cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):

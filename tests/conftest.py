@@ -24,13 +24,27 @@ def gsm8k_dir() -> pathlib.Path:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Drop every jit cache when a module ends, so its compiled programs are freed. Why: each
+    XLA:CPU executable keeps a few memory mappings for its JIT code while a cache holds it, and one
+    process running the whole suite kept ~650 tests' programs alive: the mappings grew past the
+    kernel's ``vm.max_map_count`` (65530) and the next compile or cache read died with SIGSEGV
+    (measured per test from ``/proc/self/maps``: 20k mappings a third of the way through)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="module")
 def module_compilation_cache(tmp_path_factory):
     """XLA's persistent cache for one module's runs (they recompile the same programs), in a
-    directory of its own, switched off again when the module ends. Why scoped: JAX initialises the
-    cache once per process, so a module that merely set the directory left every later test of the
-    session writing and reading it; deserialising an XLA:CPU executable written by another module
-    crashed the process (SIGSEGV in ``get_executable_and_time``, JAX issue 28908's family)."""
+    directory of its own, switched off again when the module ends (JAX initialises the cache once
+    per process: a module that merely set the directory would leave every later test writing it)."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 

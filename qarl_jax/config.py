@@ -73,7 +73,7 @@ class RolloutConfig:
     advantage: str = "auto"
     advantage_std: str = "sample"  # sample (divides by G - 1, as verl / Tunix) | population (by G)
     slots: int = 64  # engine decode slots
-    max_len: int = 64  # prompt + response tokens per slot; also the training batch length
+    max_len: int = 64  # prompt + response tokens per slot; the training batch's longest length
     # DAPO's data side (qarl_jax.rl.dapo), each off by default:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts
     max_resample_rounds: int = 3  # at most this many more prompt batches per step (dynamic_sampling)

@@ -1,7 +1,8 @@
 """The QaRL training loop.
 
 Per step: a batch of prompts -> G samples each from the rollout engine (frozen quantized weights)
--> grading -> group-relative advantages -> the padded training batch -> ``train_on_rollouts`` (old
+-> grading -> group-relative advantages -> the training batch (padded to the shortest of
+``train.length_buckets`` lengths that holds every row) -> ``train_on_rollouts`` (old
 log-probs, minibatch updates on the float master weights) -> quantize once and hand the new frozen
 weights to the engine. Every step appends one flat metrics dict to ``metrics.jsonl`` in the run
 directory (and its numbers to TensorBoard event files in ``tb/``); held-out evals
@@ -46,6 +47,7 @@ from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
+from qarl_jax.rl.batch import bucketed_length
 from qarl_jax.rl.train_step import Trainer, TrainState
 from qarl_jax.rollout import RolloutEngine, SamplingParams, rollout
 from qarl_jax.runlog import MetricsLog
@@ -121,7 +123,11 @@ class Loop:
         rollout_s, tokens = np.sum(timing, axis=0)
         adv = np.asarray(group_advantages(groups.rewards, c.advantage, std=c.rollout.advantage_std))
         rows = len(drawn) * c.rollout.samples_per_prompt
-        train_batch = dapo.groups_batch(groups, adv, rows, c.rollout.max_len, drawn.prompts[0])
+        filler = drawn.prompts[0]
+        # one length on every host (their rows form one global batch)
+        longest = int(distributed.gather(np.asarray([dapo.longest_inputs(groups, filler)], np.int32)).max())
+        length = bucketed_length(longest, c.rollout.max_len, c.train.length_buckets)
+        train_batch = dapo.groups_batch(groups, adv, rows, length, filler)
         train_batch = distributed.global_batch(train_batch, self.trainer.mesh, self.trainer.rules)
         state, history = self.trainer.train_on_rollouts(state, train_batch, np.random.default_rng(seed))
         self.engine.update_params(self.place(self.quantize(state.params)))
@@ -153,6 +159,7 @@ class Loop:
             "solved_groups": float(np.mean(rewards.max(axis=1) >= 1.0)),
             "response_length": float(lengths.mean()),
             "truncated_frac": float(np.mean(truncated)),
+            "batch_length": length,  # the training batch's padded length (train.length_buckets)
             **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]},
             **{f"dynamic/{k}": v for k, v in dynamic.items()},
             "time/step_s": float(seconds),
@@ -214,6 +221,13 @@ def train(config: Config) -> Result:
             raise Interrupted(f"interrupted; {resume}") from None
 
 
+def _objective(config: Config):
+    """The objective with seq_mean_token_sum's length normaliser fixed at rollout.max_len: the
+    batches are cut to their rows' length (train.length_buckets), the normaliser stays put."""
+    o = config.objective
+    return o if o.loss_norm is not None else dataclasses.replace(o, loss_norm=float(config.rollout.max_len))
+
+
 def _mesh(config: Config):
     try:
         return sharding.make_mesh(config.mesh)
@@ -229,7 +243,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
         Grader(config.rewards.num_workers, config.rewards.time_limit_s) as grader,
     ):
         model, params = build_policy(config, mesh)
-        trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
+        trainer = Trainer(model, _objective(config), config.train, config.optimizer, mesh, config.mesh.rules)
         state = trainer.init_state(params)
         del params
         restored = ckpt.restore(state)

@@ -1,11 +1,14 @@
 """DAPO's data side: dynamic sampling keeps only informative groups and stops at its bound; the
 soft overlong punishment by hand; the padded training batch of the kept groups."""
 
+import re
+
 import numpy as np
 import pytest
 
 from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
+from qarl_jax.rl.batch import bucketed_length
 from qarl_jax.rollout.driver import Sample
 
 
@@ -91,3 +94,20 @@ def test_groups_batch_pads_with_empty_rows():
     assert b.truncated.tolist() == [0, 0, 1, 0, 0, 0]
     with pytest.raises(ValueError, match="do not fit in 3 rows"):
         dapo.groups_batch(g, adv, rows=3, length=8, filler=[3])
+
+
+def test_the_batch_is_cut_to_the_bucket_of_its_longest_row():
+    """Prompts of 2 tokens and responses of 3: rows of 4 inputs; a 5-token filler prompt is 4 too,
+    a 7-token one 6. Buckets of max_len 64 in 4 steps: 16, 32, 48, 64."""
+    g = groups([[1, 0], [0, 1]])
+    assert dapo.longest_inputs(g, filler=[3]) == 4
+    assert dapo.longest_inputs(g, filler=[3] * 7) == 6
+    b = dapo.groups_batch(g, np.zeros((2, 2), np.float32), 4, bucketed_length(4, 64, 4), [3])
+    assert b.tokens.shape == (4, 16) and b.mask.sum() == 12
+    cases = {(1, 64, 4): 16, (16, 64, 4): 16, (17, 64, 4): 32, (47, 64, 4): 48, (63, 64, 4): 64}
+    cases |= {(64, 64, 4): 64, (5, 64, 1): 64, (10, 100, 3): 34, (35, 100, 3): 68, (69, 100, 3): 100}
+    for args, length in cases.items():
+        assert bucketed_length(*args) == length, args
+    for args, message in [((0, 64, 4), "1..max_len=64"), ((65, 64, 4), "65 inputs"), ((8, 64, 0), ">= 1")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bucketed_length(*args)

@@ -66,6 +66,20 @@ class RolloutBatch:
         return self.map(lambda v: v[index])
 
 
+def bucketed_length(inputs: int, max_len: int, buckets: int) -> int:
+    """The length of a training batch whose longest row has ``inputs`` inputs: the shortest of
+    ``buckets`` equal steps up to ``max_len`` (the last step is ``max_len``) that holds it. Why:
+    the forward and backward cost grows with the padded length, and rollouts rarely fill it; a few
+    fixed lengths keep the compiled shapes to at most ``buckets``. Cutting padding changes no
+    token's log-prob: every kernel's rows are independent of the padding and of the length."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    if not 0 < inputs <= max_len:
+        raise ValueError(f"the longest row has {inputs} inputs; expected 1..max_len={max_len}")
+    step = -(-max_len // buckets)
+    return min(max_len, -(-inputs // step) * step)
+
+
 def training_batch(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],

@@ -95,6 +95,14 @@ def dynamic_sampling(
     return out, {k: float(v) for k, v in stats.items()}
 
 
+def longest_inputs(groups: Groups, filler: Sequence[int]) -> int:
+    """The inputs of the longest row :func:`groups_batch` makes (prompt + response - 1; the
+    padding rows hold the ``filler`` prompt)."""
+    pairs = zip(groups.prompts, groups.samples, strict=True)
+    rows = (len(p) + len(s.tokens) for p, group in pairs for s in group)
+    return max(max(rows, default=0), len(filler)) - 1
+
+
 def groups_batch(
     groups: Groups, advantages: np.ndarray, rows: int, length: int, filler: Sequence[int]
 ) -> RolloutBatch:

@@ -100,7 +100,8 @@ class ObjectiveConfig:
         (sum / (sequences x loss_norm), Dr. GRPO's). Token-level objectives only: a sequence-level
         objective has one term per sequence, averaged over sequences (its KL and entropy terms are
         token means).
-      loss_norm: seq_mean_token_sum's constant per-sequence normaliser; None: the padded length T.
+      loss_norm: seq_mean_token_sum's constant per-sequence normaliser; None: the batch's length T
+        (the run loop sets rollout.max_len, so cutting a batch's padding does not change it).
       log_ratio_clamp: |log r|, |log rho| and |log w| are clamped to this before exp.
       overlong_filter: DAPO's overlong filtering: responses the rollout truncated at the length
         limit (the batch's ``truncated``) leave the loss and every denominator.

@@ -78,6 +78,9 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation inside one update
     temperature: float = 1.0  # the rollout's sampling temperature, applied to the logits in the loss
     remat: bool = False
+    # the run loop cuts each rollout batch to the shortest of this many equal steps of
+    # rollout.max_len that holds its longest row (1: always max_len); at most this many shapes compile
+    length_buckets: int = 4
     assert_aligned: bool = False  # debug: old log-probs must equal the rollout's bitwise (aligned mode)
     # error tokens (rules in qarl_jax.rl.metrics)
     low_prob_threshold: float = 1e-3  # a sampled token with rollout probability below this
@@ -87,7 +90,14 @@ class TrainConfig:
     error_token_grad_share: bool = False  # one more backward per micro-batch for error_grad_share
 
     def __post_init__(self):
-        counts = ("num_minibatches", "ppo_epochs", "micro_batches", "repeat_max_ngram", "repeat_min_repeats")
+        counts = (
+            "num_minibatches",
+            "ppo_epochs",
+            "micro_batches",
+            "length_buckets",
+            "repeat_max_ngram",
+            "repeat_min_repeats",
+        )
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -120,6 +120,9 @@ class RunConfig:
     wandb: bool = False  # metrics also to Weights & Biases (the optional `wandb` extra)
     wandb_project: str = "qarl-jax"
     wandb_name: str | None = None  # None: the run directory's name
+    # XLA's persistent compilation cache for `python -m qarl_jax.main` (a rerun or a resume loads
+    # its programs instead of compiling them); None: off; $JAX_COMPILATION_CACHE_DIR wins when set
+    compilation_cache_dir: str | None = "~/.cache/qarl_jax/xla"
 
     def __post_init__(self):
         if not self.output_dir.strip():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 EPILOG = (
@@ -73,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     from qarl_jax.build import build_tokenizer
     from qarl_jax.models import save_pretrained
@@ -85,6 +87,16 @@ def _run(args: argparse.Namespace) -> int:
             save_pretrained(args.export_hf, result.model.config, params, build_tokenizer(config))
     print(json.dumps(result.summary, indent=2))
     return 0
+
+
+def _compilation_cache(directory: str | None) -> None:
+    """XLA's persistent cache in ``directory`` (run.compilation_cache_dir), unless JAX's own setting
+    ($JAX_COMPILATION_CACHE_DIR) already names one. Programs that compile in under a second are not
+    stored (JAX's threshold): the cache holds the step, rollout and eval programs."""
+    import jax
+
+    if directory and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
 
 
 if __name__ == "__main__":

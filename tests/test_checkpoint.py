@@ -60,12 +60,15 @@ def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
 
 
-def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, capfd):
+def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, tmp_path_factory, capfd):
+    """The CLI run is killed mid-run; the rerun resumes exactly, loading the killed run's compiled
+    programs from run.compilation_cache_dir."""
     ref_dir, ref = straight
-    export = tmp_path / "hf"
+    export, cache = tmp_path / "hf", tmp_path_factory.mktemp("xla")
     cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON]
     cmd += [f"run.steps={STEPS}", "run.checkpoint_every=1", f"--export-hf={export}"]
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
+    cmd += [f"run.compilation_cache_dir={cache}"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -85,6 +88,8 @@ def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, capfd):
     proc.wait()
     proc.stderr.close()
     assert not export.exists()
+    stored = {f.name for f in cache.iterdir()}
+    assert any("update_impl" in name for name in stored), stored  # the step program, at least
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"taking over the lock of a run that is gone (pid {proc.pid} on host" in done.stderr

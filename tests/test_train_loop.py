@@ -52,8 +52,9 @@ def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     for m in lines[1:]:
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["train/skipped"] == 0.0
         assert m["train/is_weight_mean"] == 1.0 and m["response_length"] > 0
-        # cut to the shortest of 4 steps of rollout.max_len holding the longest row: still aligned
-        step = config.rollout.max_len // 4
+        # cut to the shortest of train.length_buckets steps of rollout.max_len holding the longest
+        # row, and still aligned
+        step = config.rollout.max_len // config.train.length_buckets
         assert m["batch_length"] % step == 0 and m["batch_length"] <= config.rollout.max_len
         assert all(np.isfinite(v) for v in m.values())
     assert any(m["train/grad_norm"] > 0 for m in lines[1:])

@@ -80,7 +80,7 @@ class TrainConfig:
     remat: bool = False
     # the run loop cuts each rollout batch to the shortest of this many equal steps of
     # rollout.max_len that holds its longest row (1: always max_len); at most this many shapes compile
-    length_buckets: int = 4
+    length_buckets: int = 8
     assert_aligned: bool = False  # debug: old log-probs must equal the rollout's bitwise (aligned mode)
     # error tokens (rules in qarl_jax.rl.metrics)
     low_prob_threshold: float = 1e-3  # a sampled token with rollout probability below this

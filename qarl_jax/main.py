@@ -89,14 +89,21 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+COMPILATION_CACHE_BYTES = 4 << 30
+
+
 def _compilation_cache(directory: str | None) -> None:
     """XLA's persistent cache in ``directory`` (run.compilation_cache_dir), unless JAX's own setting
     ($JAX_COMPILATION_CACHE_DIR) already names one. Programs that compile in under a second are not
-    stored (JAX's threshold): the cache holds the step, rollout and eval programs."""
+    stored (JAX's threshold): the cache holds the step, rollout and eval programs. Bounded (least
+    recently used entries go past 4 GiB), which also makes JAX lock the directory: runs sharing it
+    never read an entry another is still writing."""
     import jax
 
     if directory and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+        if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: unbounded, unlocked
+            jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,10 @@ def compile_memory(name: str, lowered) -> Compiled:
     )
 
 
+def _with_sharding(x, s) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+
 def abstract_params(model: Qwen3ForCausalLM, mesh: Mesh | None, rules) -> dict:
     """The model's parameters as structs, sharded by ``rules`` on ``mesh`` (None: unsharded)."""
     boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
@@ -81,11 +85,7 @@ def abstract_params(model: Qwen3ForCausalLM, mesh: Mesh | None, rules) -> dict:
     if mesh is None:
         return params
     shardings = sharding.logical_to_sharding(boxed, mesh, rules)["params"]
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-
-
-def _with_sharding(x, s) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return jax.tree.map(_with_sharding, params, shardings)
 
 
 def jitted_outputs(fn, *args):
@@ -94,9 +94,7 @@ def jitted_outputs(fn, *args):
     propagated from the inputs)."""
     compiled = jax.jit(fn).lower(*args).compile()
     shapes = jax.eval_shape(fn, *args)
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, compiled.output_shardings
-    )
+    return jax.tree.map(_with_sharding, shapes, compiled.output_shardings)
 
 
 def abstract_batch(
@@ -183,6 +181,6 @@ def _abstract_state(engine: RolloutEngine, mesh: Mesh | None) -> DecodeState:
         return state
     kv = engine._cache_sharding(state.cache.k.shape)
     rep = NamedSharding(mesh, PartitionSpec())
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
-    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv), state.cache)
+    placed = jax.tree.map(lambda x: _with_sharding(x, rep), state)
+    cache = jax.tree.map(lambda x: _with_sharding(x, kv), state.cache)
     return dataclasses.replace(placed, cache=cache)

@@ -100,9 +100,10 @@ def _compilation_cache(directory: str | None) -> None:
     never read an entry another is still writing."""
     import jax
 
-    if directory and not jax.config.jax_compilation_cache_dir:
+    option = lambda name: getattr(jax.config, name)  # JAX's options are untyped dynamic attributes
+    if directory and not option("jax_compilation_cache_dir"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-        if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: unbounded, unlocked
+        if option("jax_compilation_cache_max_size") == -1:  # JAX's default: unbounded, unlocked
             jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
 
 

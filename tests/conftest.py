@@ -40,19 +40,24 @@ def release_compiled_programs():
     gc.collect()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """XLA's persistent cache for the whole session, one directory per worker process: modules
-    compile many of the same programs (the smoke config's loop above all), each stored the first
-    time and loaded after that, also by the CLI runs the tests start ($JAX_COMPILATION_CACHE_DIR).
-    Programs compiled in under half a second are not stored. Bounded, which makes JAX lock the
-    directory: a test's process and its subprocesses never read an entry still being written."""
+@pytest.fixture(scope="module")
+def module_compilation_cache(tmp_path_factory):
+    """XLA's persistent cache for one module's runs (they recompile the same programs), in a
+    directory of its own, switched off again when the module ends (JAX initialises the cache once
+    per process: a module that merely set the directory would leave every later test writing it)."""
     import jax
-    from jax.experimental.compilation_cache import compilation_cache as cache
+    from jax.experimental.compilation_cache import compilation_cache
 
-    directory = str(tmp_path_factory.mktemp("jax-cache"))
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
-    cache.reset_cache()  # a compile at collection may have found the cache off: look again
+    options = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax-cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    old = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in old.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()

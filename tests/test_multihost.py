@@ -51,6 +51,11 @@ def without_time(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith("time/")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(module_compilation_cache):
+    """This module's runs recompile the same programs: they share them through the persistent cache."""
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("multihost")

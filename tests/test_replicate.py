@@ -15,6 +15,7 @@ COMMITTED = ROOT / "results" / "replication"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # five arms' runs, each compiling its own programs: ~7 min beside another worker
 def test_quick_runs_every_arm_and_resumes(tmp_path, monkeypatch):
     assert replicate.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "summary.json").read_text())

@@ -60,6 +60,7 @@ def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, tmp_path_factory, capfd):
     """The CLI run is killed mid-run; the rerun resumes exactly, loading the killed run's compiled
     programs from run.compilation_cache_dir."""

@@ -90,6 +90,7 @@ def two_process_run(tmp_path_factory):
     return run, export, [summary(stdout) for _, stdout, _ in results]
 
 
+@pytest.mark.slow
 def test_two_processes_train_one_policy(two_process_run):
     run, export, (first, second) = two_process_run
     # the same reduced figures on both processes

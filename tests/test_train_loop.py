@@ -13,7 +13,7 @@ from qarl_jax.config import load_config
 from qarl_jax.evaluation import Evaluator, eval_seed
 from qarl_jax.rewards import Grader
 from qarl_jax.runlog import MetricsLog
-from qarl_jax.train import step_seed, train
+from qarl_jax.train import _objective, step_seed, train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
 
@@ -135,3 +135,13 @@ def test_step_seeds_differ_and_repeat():
 def test_package_paths_resolve_inside_the_package():
     assert model_dir("package:assets/policy") == PACKAGE_DIR / "assets" / "policy"
     assert model_dir("/ckpt/qwen") == pathlib.Path("/ckpt/qwen")
+
+
+def test_the_loop_pins_seq_mean_token_sum_to_max_len():
+    """The loop cuts its batches to their rows' length (train.length_buckets), so Dr. GRPO's
+    per-sequence normaliser, the batch's length by default, is pinned to rollout.max_len; a
+    configured one is kept."""
+    config = load_config(None, ["objective.name=dr_grpo", "rollout.max_len=96"])
+    assert config.objective.loss_norm is None and _objective(config).loss_norm == 96.0
+    config = load_config(None, ["objective.name=dr_grpo", "objective.loss_norm=10"])
+    assert _objective(config).loss_norm == 10.0

@@ -108,4 +108,7 @@ def _compilation_cache(directory: str | None) -> None:
 
 
 if __name__ == "__main__":
+    from qarl_jax.heap import reexec_with_tunables
+
+    reexec_with_tunables()  # XLA:CPU's temporaries kept in the heap (see qarl_jax.heap)
     sys.exit(main())

@@ -1,6 +1,7 @@
 """Rollout engine core and RL driver on qwen3-tiny (CPU): greedy and log-probs against the full
 forward, continuous batching independence, stop conditions, weight updates without recompiling."""
 
+import collections
 import functools
 
 import jax
@@ -12,6 +13,7 @@ from qarl_jax import quant
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.models.ops import token_logprobs
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, SamplingParams, rollout
+from qarl_jax.rollout.driver import _next_requests
 
 EOS = 0
 
@@ -115,6 +117,28 @@ def test_mid_flight_insertion_is_independent(engine, prompts):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
     again = rollout(engine, prompts, n=3, max_new_tokens=9, sampling=sampling, seed=8, progress=False)
     assert [s.tokens for s in again[1]] != [s.tokens for s in batched[1]]
+
+
+def test_next_requests_fill_the_free_slots_from_at_most_max_prompts():
+    work = collections.deque((p, s) for p in range(3) for s in range(4))
+    assert _next_requests(work, 8, 2) == [(p, s) for p in (0, 1) for s in range(4)]
+    assert _next_requests(work, 3, 2) == [(2, 0), (2, 1), (2, 2)]  # as many as the free slots
+    assert _next_requests(work, 8, 2) == [(2, 3)] and not work
+
+
+def test_a_prompts_samples_share_one_prefill(model, params, engine, prompts):
+    """4 samples of 2 prompts in 8 slots: one prefill of both prompts and one insert (not one
+    prefill per 2 requests), and the same samples as through the 4-slot engine."""
+    config = EngineConfig(slots=8, max_len=48, max_prefill_batch=2, eos_ids=(EOS,))
+    wide = RolloutEngine(model, params, config)
+    calls = []
+    prefill = wide.prefill
+    wide.prefill = lambda p, rows: calls.append(len(rows)) or prefill(p, rows)
+    sampling = SamplingParams(temperature=1.0)
+    out = rollout(wide, prompts[:2], n=4, max_new_tokens=5, sampling=sampling, seed=3, progress=False)
+    assert calls == [2]
+    ref = rollout(engine, prompts[:2], n=4, max_new_tokens=5, sampling=sampling, seed=3, progress=False)
+    assert [[s.tokens for s in g] for g in out] == [[s.tokens for s in g] for g in ref]
 
 
 def test_stop_conditions(engine, prompts):

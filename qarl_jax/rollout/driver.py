@@ -111,7 +111,7 @@ def rollout(
         free = [i for i, s in enumerate(in_slot) if s is None]
         inserts: list[tuple[list[int], StepOutput]] = []
         while free and work:
-            batch = [work.popleft() for _ in range(min(len(free), c.max_prefill_batch, len(work)))]
+            batch = _next_requests(work, len(free), c.max_prefill_batch)
             unique = list(dict.fromkeys(p for p, _ in batch))
             prefix = engine.prefill(engine.params, [prompts[p] for p in unique])
             requests = []
@@ -168,6 +168,22 @@ def rollout(
     bar.close()
     engine.state = engine.release_slots(state, range(c.slots))
     return [[out[(p, s)] for s in range(n)] for p in range(len(prompts))]
+
+
+def _next_requests(work: collections.deque, free: int, max_prompts: int) -> list[tuple[int, int]]:
+    """The next (prompt, sample) pairs of ``work`` for one prefill and insert: as many as there are
+    ``free`` slots, from at most ``max_prompts`` distinct prompts. A prompt's samples share its
+    prefill row, so n samples of 8 prompts take one prefill of 8 rows, not 8 prefills of one (and
+    the prefill has the same shape in a G-sample RL rollout as in a one-sample eval)."""
+    batch: list[tuple[int, int]] = []
+    prompts: set[int] = set()
+    while work and len(batch) < free:
+        p = work[0][0]
+        if p not in prompts and len(prompts) == max_prompts:
+            break
+        prompts.add(p)
+        batch.append(work.popleft())
+    return batch
 
 
 def _record(sample: Sample, out: StepOutput, i: int) -> None:

@@ -235,6 +235,22 @@ def test_micro_batches_token_mean_unequal_lengths(setup):
         )
 
 
+def test_accumulate_traces_the_backward_once(setup):
+    """The accumulator's shapes and the scan's body share one trace of the forward and backward
+    (tracing it is seconds at real depth)."""
+    model, params, batch = setup
+    trainer = Trainer(model, ObjectiveConfig(name="grpo"), TrainConfig(), OptimizerConfig())
+    mb = trainer.shard_batch(batch.replace(old_logp=batch.rollout_logp))
+    traces = []
+
+    def grads(p, b, norms):
+        traces.append(b.num_rows)
+        return trainer._grads(p, b, norms)
+
+    jax.eval_shape(lambda p, b: accumulate(grads, p, b, 2, normalisers(b, trainer.objective)), params, mb)
+    assert traces == [batch.num_rows // 2]
+
+
 def test_kl_to_the_initial_policy(setup):
     """kl_coef = 0: no reference copy, no reference scoring, no KL metric. kl_coef > 0: the state
     keeps the initial weights, frozen; at them the k3 term and its gradient are exactly 0 (the first

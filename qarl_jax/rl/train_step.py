@@ -157,6 +157,7 @@ def accumulate(grads: GradsFn, params, batch: RolloutBatch, parts: int, norms: N
     so the sums are the batch's loss and gradients; the metrics in ``EXTREMA`` combine by max/min."""
     micro = _split(batch, parts)
     big = jnp.finfo(jnp.float32).max
+    grads = jax.jit(grads)  # one trace (of the whole forward and backward) serves both uses below
 
     def combine(total, out):
         (loss, metrics, *gs), (loss_b, metrics_b, *gs_b) = total, out

@@ -1,4 +1,6 @@
-"""Test set-up: 8 fake CPU devices (set before JAX is imported) so sharding tests run anywhere."""
+"""Test set-up: 8 fake CPU devices (set before JAX is imported) so sharding tests run anywhere;
+the CLI's malloc tunables (:mod:`qarl_jax.heap`) for the processes started after this point (the
+pytest-xdist workers and the commands tests run)."""
 
 import os
 
@@ -10,6 +12,10 @@ if "xla_force_host_platform_device_count" not in flags:
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
+
+from qarl_jax.heap import tuned_environ  # noqa: E402
+
+os.environ.update(tuned_environ(os.environ) or {})
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -15,11 +15,11 @@ glibc = pytest.mark.skipif(
 
 
 @glibc
-def test_tunables_are_added_to_what_is_set_and_a_users_threshold_wins():
+def test_tunables_are_added_to_what_is_set_and_a_users_malloc_setting_wins():
     assert heap.tuned_environ({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": heap.TUNABLES}
-    other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
-    assert heap.tuned_environ(other)["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{heap.TUNABLES}"
-    assert heap.tuned_environ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}) is None
+    other = {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}
+    assert heap.tuned_environ(other)["GLIBC_TUNABLES"] == f"glibc.cpu.hwcaps=-AVX512F:{heap.TUNABLES}"
+    assert heap.tuned_environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
     assert heap.tuned_environ({"GLIBC_TUNABLES": heap.TUNABLES}) is None
 
 

@@ -4,16 +4,18 @@ Why: an XLA:CPU executable allocates its temporaries afresh on every call, as a 
 (the default run's update: ~60 MB a call). glibc serves a block above its mmap threshold (dynamic,
 never above 32 MiB) with a fresh ``mmap`` and gives it back with ``munmap`` on free, so every call
 faults all of its pages in again. Measured on the default run's update (16 x 48 tokens, 2 cores):
-15,550 minor page faults and 37-41 ms of system time a call; with the tunables below, ~750 faults
-and 5 ms, and the update 10-17% faster (``benchmarks/heap.py``; ``benchmarks/RESULTS.md``).
+15,550 minor page faults and 30-42 ms of system time a call; with the tunables below, 3-7,800
+faults and 0.4-16 ms, and the update 10-29% faster (``benchmarks/heap.py``, ``benchmarks/RESULTS.md``).
 
 glibc takes a threshold above 32 MiB only from ``GLIBC_TUNABLES``, which it reads when the process
 starts: the CLI re-executes itself once with them set (:func:`reexec_with_tunables`), and the test
 suite sets them for its worker processes and the commands they run. The cost: up to
-``TRIM_THRESHOLD`` of freed memory stays with the process instead of returning to the system, and
-all threads allocate from one arena (host threads here allocate little; XLA's device buffers on a
-GPU or TPU are not malloc's). A ``GLIBC_TUNABLES`` that already sets any ``glibc.malloc`` tunable is
-left as it is (the user's choice wins); elsewhere than on Linux with glibc nothing changes.
+``TRIM_THRESHOLD`` of freed memory stays with the process instead of returning to the system.
+Not set: ``arena_max=1``, which would also keep the blocks that XLA's worker threads allocate
+(their own arenas are heaps of at most 64 MiB, unmapped once empty), but made the whole default
+run ~30% slower through the threads' contention for one arena. A ``GLIBC_TUNABLES`` that already
+sets any ``glibc.malloc`` tunable is left as it is (the user's choice wins); elsewhere than on Linux
+with glibc nothing changes.
 """
 
 from __future__ import annotations
@@ -25,12 +27,7 @@ from collections.abc import Mapping
 
 MMAP_THRESHOLD = 256 << 20  # blocks below this come from the heap (XLA's temporaries)
 TRIM_THRESHOLD = 512 << 20  # freed memory kept before the heap's top is returned to the system
-# one arena: a thread's own arena is a heap of at most 64 MiB that glibc unmaps once it is empty,
-# so a block allocated on an XLA worker thread would still be faulted in afresh
-TUNABLES = ":".join(
-    f"glibc.malloc.{k}={v}"
-    for k, v in {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD, "arena_max": 1}.items()
-)
+TUNABLES = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 
 
 def tuned_environ(environ: Mapping[str, str]) -> dict[str, str] | None:

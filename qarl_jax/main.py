@@ -13,6 +13,10 @@ must be the same (shared) path on every host. See :mod:`qarl_jax.distributed`.
 
 Every error a user can cause ends the command with one line on stderr and a non-zero exit code
 (:mod:`qarl_jax.errors`: 2 config, 3 checkpoint, 4 data, 5 run directory, 6 grader, 130 Ctrl-C).
+
+On Linux with glibc the command first re-executes itself once with malloc thresholds that keep
+XLA:CPU's per-call temporaries in the heap (:mod:`qarl_jax.heap`; a ``GLIBC_TUNABLES`` of your own
+that sets any ``glibc.malloc`` tunable is kept instead).
 """
 
 from __future__ import annotations

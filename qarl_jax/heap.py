@@ -5,7 +5,9 @@ Why: an XLA:CPU executable allocates its temporaries afresh on every call, as a 
 never above 32 MiB) with a fresh ``mmap`` and gives it back with ``munmap`` on free, so every call
 faults all of its pages in again. Measured on the default run's update (16 x 48 tokens, 2 cores):
 15,550 minor page faults and 30-42 ms of system time a call; with the tunables below, 3-7,800
-faults and 0.4-16 ms, and the update 10-29% faster (``benchmarks/heap.py``, ``benchmarks/RESULTS.md``).
+faults and 0.4-16 ms, and the update 10-29% faster (``benchmarks/heap.py``). Over the whole
+default run the saved system CPU (33-37 s) is partly spent again as user CPU (reused pages are cold
+in cache): no wall gain beyond a drifting machine's noise there (``benchmarks/RESULTS.md``).
 
 glibc takes a threshold above 32 MiB only from ``GLIBC_TUNABLES``, which it reads when the process
 starts: the CLI re-executes itself once with them set (:func:`reexec_with_tunables`), and the test

@@ -1,7 +1,7 @@
 """XLA:CPU's per-call allocations with glibc's default malloc thresholds against ``qarl_jax.heap``'s.
 
-Each format's training update (the default run's shape: qwen3-tiny, 16 rows x 48 tokens, w4a16
-aligned) runs in child processes started alternately without and with ``GLIBC_TUNABLES`` set as
+The training update (the default run's shape: qwen3-tiny, 16 rows x 48 tokens, w4a16 aligned)
+runs in child processes started alternately without and with ``GLIBC_TUNABLES`` set as
 ``python -m qarl_jax.main`` sets it (A B A B ...), so a drifting machine favours neither. Each child
 warms up, then times ``--calls`` updates and reports per update: wall ms, user and system CPU ms
 (``getrusage``), and minor page faults. Prints the medians over the children and the ratios.

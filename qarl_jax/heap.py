@@ -32,10 +32,15 @@ TRIM_THRESHOLD = 512 << 20  # freed memory kept before the heap's top is returne
 TUNABLES = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on Linux with glibc (the only place the tunables mean anything)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def tuned_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
     """``environ`` with the malloc tunables added to ``GLIBC_TUNABLES``; None where nothing is to
     change (not glibc, or a malloc tunable already set)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return None
     current = environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc." in current:

@@ -1,7 +1,6 @@
 """qarl_jax.heap: the malloc thresholds the CLI re-executes itself with (glibc only)."""
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -9,9 +8,7 @@ import pytest
 
 from qarl_jax import heap
 
-glibc = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's tunables only"
-)
+glibc = pytest.mark.skipif(not heap.on_glibc(), reason="glibc's tunables only")
 
 
 @glibc

@@ -192,12 +192,14 @@ def test_micro_batches_give_the_same_gradient(name, aggregation, correction):
             return compute_loss(logp, mb, cfg, norms, entropy=-0.5 * logp)
 
         (value, metrics), g = jax.value_and_grad(loss, has_aux=True)(params)
-        return value, metrics, g, None
+        return (value, metrics, g, None), params[mb.tokens[:, 0]]
 
     norms = normalisers(b, cfg)
     with jax.disable_jit():  # op by op: far quicker than compiling three programs per case
         results = [accumulate(grads, jnp.asarray(theta), b, parts, norms) for parts in (1, 2, 4)]
-    (loss, metrics, grad, _), *others = results
+    for _, rows in results:  # the per-row outputs come back in the minibatch's row order
+        np.testing.assert_array_equal(rows, theta.astype(np.float32)[np.asarray(b.tokens)[:, 0]])
+    (loss, metrics, grad, _), *others = [summed for summed, _ in results]
     assert np.isfinite(float(loss)) and np.all(np.isfinite(grad)) and np.any(grad != 0)
     for other_loss, other_metrics, other_grad, _ in others:
         np.testing.assert_allclose(float(other_loss), float(loss), rtol=1e-5, atol=1e-7)

@@ -199,6 +199,35 @@ def test_minibatches_move_the_policy_so_clip_and_band_act(setup):
     assert max(float(m["clip_frac"]) + float(m["band_mask_frac"]) for m in history[1:]) > 0
 
 
+def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup):
+    """Aligned, the rollout's log-probs are the old ones: taking them (auto) instead of scoring the
+    batch again gives bitwise the same updates and the same alignment statistics, measured by the
+    first update's forward over its minibatch; naive mode cannot take them."""
+    model, params, batch = setup
+    runs = {}
+    for mode in ("recompute", "auto"):
+        train = TrainConfig(num_minibatches=2, micro_batches=2, old_logprobs=mode, assert_aligned=True)
+        trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(learning_rate=3e-3))
+        state, history = trainer.train_on_rollouts(trainer.init_state(params), batch, np.random.default_rng(1))
+        runs[mode] = (trainer, state, jax.device_get(history))
+    (scoring, slow, slow_history), (skipping, fast, fast_history) = runs["recompute"], runs["auto"]
+    assert not scoring._old_from_rollout and skipping._old_from_rollout
+    jax.tree.map(np.testing.assert_array_equal, slow.params, fast.params)
+    for a, b in zip(slow_history, fast_history, strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - {"policy_entropy"}:
+            assert a[key] == b[key], key
+        assert float(b["mismatch_frac_bitwise_equal"]) == 1.0 and float(b["mismatch_kl_k3"]) == 0.0
+        # the first update's minibatch (half the rows) against the whole batch's
+        np.testing.assert_allclose(b["policy_entropy"], a["policy_entropy"], rtol=0.05)
+    # no old-log-prob program ran for the batch: it was never compiled
+    assert skipping._old_logprobs._cache_size() == 0 and scoring._old_logprobs._cache_size() == 1
+    naive = dataclasses.replace(model, quant=dataclasses.replace(model.quant, mode="naive"))
+    assert not Trainer(naive, ObjectiveConfig(), TrainConfig(), OptimizerConfig())._old_from_rollout
+    with pytest.raises(ValueError, match="old_logprobs=rollout needs the rollout's forward"):
+        Trainer(naive, ObjectiveConfig(), TrainConfig(old_logprobs="rollout"), OptimizerConfig())
+
+
 def test_micro_batches_accumulate_to_the_same_gradient(setup):
     """Sequence-mean aggregation: the mean of two half-batch gradients is the full-batch gradient."""
     model, params, batch = setup
@@ -225,7 +254,7 @@ def test_micro_batches_token_mean_unequal_lengths(setup):
     mb = trainer.shard_batch(batch.replace(mask=mask, old_logp=old * mask))
     norms = normalisers(mb, trainer.objective)
     grads = [
-        jax.jit(accumulate, static_argnums=(0, 3))(trainer._grads, params, mb, parts, norms)[2]
+        jax.jit(accumulate, static_argnums=(0, 3))(trainer._grads, params, mb, parts, norms)[0][2]
         for parts in (1, 4)
     ]
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0]))
@@ -387,3 +416,5 @@ def test_config_errors():
         OptimizerConfig(name="sgd")
     with pytest.raises(ValueError, match="train.num_minibatches"):
         TrainConfig(num_minibatches=0)
+    with pytest.raises(ValueError, match="train.old_logprobs must be one of"):
+        TrainConfig(old_logprobs="engine")

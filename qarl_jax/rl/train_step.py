@@ -1,8 +1,18 @@
 """The QaRL training step: old log-probs, minibatch policy-gradient updates, the NaN guard.
 
-One rollout batch (one sequence per row, padded) is scored once by the training forward to get the
-old-policy log-probs (in aligned mode bitwise the rollout's), then split into ``num_minibatches``
-optimizer updates for ``ppo_epochs`` epochs, each accumulating gradients over ``micro_batches``.
+One rollout batch (one sequence per row, padded) gets its old-policy log-probs pi_old, then is split
+into ``num_minibatches`` optimizer updates for ``ppo_epochs`` epochs, each accumulating gradients
+over ``micro_batches``. Where pi_old comes from is ``TrainConfig.old_logprobs``:
+
+  rollout    the engine's own log-probs. In aligned mode the training forward is the rollout's
+             kernels on the rollout's weights, so scoring the batch again would return these very
+             bits (the alignment tests prove it): the forward is skipped. The first update's forward
+             runs at those weights, so it re-scores its minibatch (a random 1 / num_minibatches of
+             the batch) for free, and its statistics are the step's alignment check.
+  recompute  one more forward over the whole batch (the paper's baseline, and naive mode's only
+             choice: its training forward is not the rollout's).
+  auto       rollout when aligned, recompute otherwise (the default).
+
 The master weights stay float; the forward is the one ``qarl_jax.rl.logprobs`` defines for the
 model's spec (aligned: quantized kernels with a straight-through backward; naive: full precision).
 
@@ -20,11 +30,12 @@ gradient not finite or no response token in the minibatch's loss) and, with
 ``error_token_grad_share``, ``error_grad_share``. The loss's denominators are counted over the
 whole minibatch before its micro-batches (:mod:`qarl_jax.rl.objectives`), whose losses, gradients
 and metrics then add up (the extrema combine by max / min): the update is the same function of the
-minibatch for any ``micro_batches`` and mesh. Per rollout batch (from the old-log-prob
-forward, repeated in each of its updates' dicts): ``policy_entropy``, ``response_len_mean``/``_max``,
-``truncation_rate`` (when the batch holds ``truncated``), the alignment statistics ``mismatch_*``
-(old vs rollout log-probs) and the error-token fractions ``repetition_frac``,
-``low_prob_token_frac``, ``error_seq_frac`` (:mod:`qarl_jax.rl.metrics` defines the rules).
+minibatch for any ``micro_batches`` and mesh. Per rollout batch (repeated in each of its updates'
+dicts): ``response_len_mean``/``_max``, ``truncation_rate`` (when the batch holds ``truncated``), the
+error-token fractions ``repetition_frac``, ``low_prob_token_frac``, ``error_seq_frac``
+(:mod:`qarl_jax.rl.metrics` defines the rules) and, from a forward at the rollout's weights (the
+old-log-prob forward's whole batch, or the first update's minibatch), ``policy_entropy`` and the
+alignment statistics ``mismatch_*`` (training vs rollout log-probs).
 """
 
 from __future__ import annotations
@@ -71,6 +82,17 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.learning_rate must be positive, got {self.learning_rate}")
 
 
+OLD_LOGPROBS = ("auto", "rollout", "recompute")
+# the rollout batch's metrics that need a forward: with old_logprobs=rollout, the first update's
+SCORED_METRICS = (
+    "policy_entropy",
+    "mismatch_frac_bitwise_equal",
+    "mismatch_max_abs_diff",
+    "mismatch_mean_abs_diff",
+    "mismatch_kl_k3",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     num_minibatches: int = 1  # optimizer updates per rollout batch and epoch
@@ -78,10 +100,13 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation inside one update
     temperature: float = 1.0  # the rollout's sampling temperature, applied to the logits in the loss
     remat: bool = False
+    old_logprobs: str = "auto"  # auto | rollout | recompute: where pi_old comes from (module docstring)
     # the run loop cuts each rollout batch to the shortest of this many equal steps of
     # rollout.max_len that holds its longest row (1: always max_len); at most this many shapes compile
     length_buckets: int = 8
-    assert_aligned: bool = False  # debug: old log-probs must equal the rollout's bitwise (aligned mode)
+    # debug: the training forward must reproduce the rollout's log-probs bitwise, else raise (the whole
+    # batch's with old_logprobs=recompute, the first update's minibatch's with rollout)
+    assert_aligned: bool = False
     # error tokens (rules in qarl_jax.rl.metrics)
     low_prob_threshold: float = 1e-3  # a sampled token with rollout probability below this
     repeat_max_ngram: int = 4  # a response ending in an n-gram loop, n <= this, ...
@@ -103,6 +128,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0:
             raise ValueError(f"train.temperature must be positive, got {self.temperature}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"train.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if not 0 < self.low_prob_threshold < 1:
             raise ValueError(f"train.low_prob_threshold must be in (0, 1), got {self.low_prob_threshold}")
 
@@ -151,10 +178,12 @@ GradsFn = Callable[[object, RolloutBatch, Normalisers], tuple]
 
 
 def accumulate(grads: GradsFn, params, batch: RolloutBatch, parts: int, norms: Normalisers) -> tuple:
-    """``grads(params, micro_batch, norms) -> (loss, metrics, gradients, extra gradients or None)``
-    over the ``parts`` micro-batches of ``batch``, one at a time (the memory of one), added up:
-    with ``norms`` counted over the whole batch every term is already its share of the batch's,
-    so the sums are the batch's loss and gradients; the metrics in ``EXTREMA`` combine by max/min."""
+    """``grads(params, micro_batch, norms) -> ((loss, metrics, gradients, extra gradients or None),
+    rows)`` over the ``parts`` micro-batches of ``batch``, one at a time (the memory of one): the
+    first part added up, ``rows`` (a pytree of per-row arrays, or None) put back in the batch's row
+    order. With ``norms`` counted over the whole batch every term is already its share of the
+    batch's, so the sums are the batch's loss and gradients; the metrics in ``EXTREMA`` combine by
+    max/min. Returns (summed, rows)."""
     micro = _split(batch, parts)
     big = jnp.finfo(jnp.float32).max
     grads = jax.jit(grads)  # one trace (of the whole forward and backward) serves both uses below
@@ -167,15 +196,18 @@ def accumulate(grads: GradsFn, params, batch: RolloutBatch, parts: int, norms: N
     def start(s: jax.ShapeDtypeStruct, fill=0.0):
         return jnp.full(s.shape, fill, s.dtype)
 
-    shapes = jax.eval_shape(grads, params, jax.tree.map(lambda v: v[0], micro), norms)
+    shapes = jax.eval_shape(grads, params, jax.tree.map(lambda v: v[0], micro), norms)[0]
     loss, metrics, *gs = jax.tree.map(start, shapes)
     for key, op in EXTREMA.items():  # the identities of max and min
         if key in metrics:
             metrics[key] = start(shapes[1][key], -big if op is jnp.maximum else big)
-    total, _ = jax.lax.scan(
-        lambda c, mb: (combine(c, grads(params, mb, norms)), None), (loss, metrics, *gs), micro
-    )
-    return total
+
+    def body(total, mb):
+        summed, rows = grads(params, mb, norms)
+        return combine(total, summed), rows
+
+    total, rows = jax.lax.scan(body, (loss, metrics, *gs), micro)
+    return total, jax.tree.map(lambda v: v.reshape(batch.num_rows, *v.shape[2:]), rows)
 
 
 def _host(x) -> np.ndarray:
@@ -223,39 +255,56 @@ class Trainer:
         # the error sequences' share of the gradient: their policy-gradient terms alone
         self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
         self._kl = bool(objective.kl_coef)
+        # aligned: the training forward is the rollout's (the same kernels on the same weights)
+        aligned = model.quant is None or model.quant.mode == "aligned"
+        if train.old_logprobs == "rollout" and not aligned:
+            raise ValueError(
+                f"train.old_logprobs=rollout needs the rollout's forward in training, but quant.mode="
+                f"{model.quant.mode!r} trains another one: use recompute (or auto)"
+            )
+        self._old_from_rollout = train.old_logprobs == "rollout" or (train.old_logprobs == "auto" and aligned)
+        self._batch_metrics = jax.jit(self._batch_metrics_impl)
         self._old_logprobs = jax.jit(self._old_logprobs_impl)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl) if self._kl else None
         self._update = jax.jit(self._update_impl, donate_argnums=(0,))
 
     def _forward(self, params, batch: RolloutBatch) -> tuple[jax.Array, jax.Array | None]:
-        """(log-probs, entropy or None): the entropy only when the loss uses it."""
+        """(log-probs, entropy or None): the entropy when the loss uses it or the first update
+        measures it (old_logprobs=rollout)."""
         args = batch.forward_inputs()
         t, remat = self.train.temperature, self.train.remat
         if self.objective.entropy_coef:
             return policy_logprobs_and_entropy(self.model, params, *args, t, remat=remat)
+        if self._old_from_rollout:  # measured, not differentiated: its backward never runs
+            logp, entropy = policy_logprobs_and_entropy(self.model, params, *args, t, remat=remat)
+            return logp, jax.lax.stop_gradient(entropy)
         return policy_logprobs(self.model, params, *args, t, remat=remat), None
 
     @staticmethod
     def _loss(out, batch: RolloutBatch, objective: ObjectiveConfig, norms: Normalisers):
         logp, entropy = out
-        return compute_loss(logp, batch, objective, norms, entropy=entropy)
+        return compute_loss(
+            logp, batch, objective, norms, entropy=entropy if objective.entropy_coef else None
+        )
 
     def _grads(self, params, batch: RolloutBatch, norms: Normalisers):
         """Loss, metrics and gradients of one micro-batch (over the minibatch's ``norms``); with
         ``error_token_grad_share`` also the gradient of the error sequences' policy-gradient terms
         alone (their advantages kept, the others zeroed: every objective's term is 0 with its
         gradient at A = 0, and the normalisers do not change), pulled back through the same
-        forward: one more backward."""
+        forward: one more backward. Second: the forward's (log-probs, entropy) with
+        old_logprobs=rollout (the first update's are the alignment check), else None."""
         out, pullback = jax.vjp(lambda p: self._forward(p, batch), params)
         loss_and_grad = jax.value_and_grad(self._loss, has_aux=True)
         (loss, metrics), d_out = loss_and_grad(out, batch, self.objective, norms)
         (grads,) = pullback(d_out)
+        rows = jax.lax.stop_gradient(out) if self._old_from_rollout else None
         if not self.train.error_token_grad_share:
-            return loss, metrics, grads, None
+            return (loss, metrics, grads, None), rows
         error = self.train.error_flags(batch)["error"].astype(jnp.float32)
         flagged = batch.replace(advantages=batch.advantages * error)
         d_flagged, _ = jax.grad(self._loss, has_aux=True)(out, flagged, self._pg_objective, norms)
-        return loss, metrics, grads, pullback(d_flagged)[0]
+        return (loss, metrics, grads, pullback(d_flagged)[0]), rows
 
     def _context(self):
         return sharding.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
@@ -311,18 +360,29 @@ class Trainer:
         out = jax.lax.map(one, tuple(split(v) for v in batch.forward_inputs()))
         return jax.tree.map(merge, out)
 
+    def _batch_metrics_impl(self, batch: RolloutBatch) -> dict:
+        """The rollout batch's metrics that need no forward: response lengths, truncation, error tokens."""
+        return dict(
+            **rl_metrics.response_length_stats(batch.mask, batch.truncated),
+            **rl_metrics.error_token_stats(self.train.error_flags(batch), batch.mask),
+        )
+
+    @staticmethod
+    def _scored_metrics(logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict:
+        """The metrics of a forward over ``batch`` (:data:`SCORED_METRICS`) and its old log-probs."""
+        mask = batch.mask
+        old = jax.lax.stop_gradient(logp) * mask
+        return dict(
+            policy_entropy=rl_metrics.entropy_mean(entropy, mask),
+            **rl_metrics.mismatch_stats(old, batch.rollout_logp, mask),
+        )
+
     def _old_logprobs_impl(self, params, batch):
         """Old log-probs and the rollout batch's metrics; the metrics over the reassembled batch, so
         they are those of one whole-batch forward, bit for bit."""
         logp, entropy = self._chunked(policy_logprobs_and_entropy, params, batch)
-        mask = batch.mask
-        old = jax.lax.stop_gradient(logp) * mask
-        return old, dict(
-            policy_entropy=rl_metrics.entropy_mean(entropy, mask),
-            **rl_metrics.response_length_stats(mask, batch.truncated),
-            **rl_metrics.mismatch_stats(old, batch.rollout_logp, mask),
-            **rl_metrics.error_token_stats(self.train.error_flags(batch), mask),
-        )
+        old = jax.lax.stop_gradient(logp) * batch.mask
+        return old, {**self._scored_metrics(logp, entropy, batch), **self._batch_metrics_impl(batch)}
 
     def _ref_logprobs_impl(self, ref_params, batch):
         # not masked: the loss's exp(ref - logp) stays finite on padding (0 there could overflow)
@@ -349,8 +409,10 @@ class Trainer:
 
     def _update_impl(self, state: TrainState, batch: RolloutBatch):
         norms = normalisers(batch, self.objective)  # over the whole minibatch, before the split
-        total = accumulate(self._grads, state.params, batch, self.train.micro_batches, norms)
+        total, rows = accumulate(self._grads, state.params, batch, self.train.micro_batches, norms)
         loss, metrics, grads, flagged_grads = total
+        if rows is not None:  # old_logprobs=rollout: what this forward says of the rollout's log-probs
+            metrics = {**metrics, **self._scored_metrics(*rows, batch)}
 
         grad_norm, weight_norm = rl_metrics.tree_norm(grads), rl_metrics.tree_norm(state.params)
         # a minibatch without a token in the loss has nothing to learn, yet its zero gradient would
@@ -390,18 +452,24 @@ class Trainer:
     def train_on_rollouts(
         self, state: TrainState, batch: RolloutBatch, rng: np.random.Generator | None = None
     ):
-        """Old log-probs once, then ppo_epochs x num_minibatches updates (minibatches reshuffled per
-        epoch when ``rng`` is given). Returns the new state and the list of per-update metrics (each
-        with the rollout batch's metrics too)."""
+        """Old log-probs (:data:`OLD_LOGPROBS`), then ppo_epochs x num_minibatches updates
+        (minibatches reshuffled per epoch when ``rng`` is given). Returns the new state and the list
+        of per-update metrics (each with the rollout batch's metrics too; with old_logprobs=rollout
+        the :data:`SCORED_METRICS` among them are the first update's, over its minibatch)."""
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"train_on_rollouts takes a RolloutBatch (qarl_jax.rl.batch), got {type(batch)}")
         sharded = self.shard_batch(batch)
-        old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, sharded)
+        if self._old_from_rollout:
+            old_logp = sharded.rollout_logp  # 0 off the mask, as the forward's would be
+            with self._context():
+                rollout_metrics = self._batch_metrics(sharded)
+        else:
+            old_logp, rollout_metrics = self.old_logprobs_and_metrics(state.params, sharded)
         batch = batch.replace(old_logp=old_logp)
         if self._kl:
             batch = batch.replace(ref_logp=self.ref_logprobs(state, sharded))
         batch = batch.map(_host)  # minibatches are cut on the host
-        if self.train.assert_aligned:
+        if self.train.assert_aligned and not self._old_from_rollout:
             mask = np.asarray(batch.mask) > 0
             old, rollout = np.asarray(batch.old_logp)[mask], np.asarray(batch.rollout_logp)[mask]
             if not np.array_equal(old, rollout):
@@ -413,12 +481,25 @@ class Trainer:
         if n % self.train.num_minibatches:
             raise ValueError(f"{n} sequences do not split into {self.train.num_minibatches} minibatches")
         size = n // self.train.num_minibatches
-        history = []
+        updates = []
         for _ in range(self.train.ppo_epochs):
             order = np.arange(n) if rng is None else rng.permutation(n)
             for i in range(self.train.num_minibatches):
                 idx = order[i * size : (i + 1) * size]
                 mb = self.shard_batch(batch.rows(idx))
                 state, metrics = self.update(state, mb)
-                history.append({**rollout_metrics, **metrics})
-        return state, history
+                if self._old_from_rollout:  # the first update's forward ran at the rollout's weights
+                    scored = {k: metrics.pop(k) for k in SCORED_METRICS}
+                    if not updates:
+                        rollout_metrics = {**rollout_metrics, **scored}
+                        self._check_first_update_aligned(scored)
+                updates.append(metrics)
+        return state, [{**rollout_metrics, **m} for m in updates]
+
+    def _check_first_update_aligned(self, scored: dict) -> None:
+        if self.train.assert_aligned and float(scored["mismatch_frac_bitwise_equal"]) != 1.0:
+            raise AssertionError(
+                f"aligned mode: {1 - float(scored['mismatch_frac_bitwise_equal']):.2%} of the first "
+                f"minibatch's tokens score log-probs different from the rollout's (max |diff| "
+                f"{float(scored['mismatch_max_abs_diff']):.3g})"
+            )

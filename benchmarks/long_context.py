@@ -140,7 +140,9 @@ def rl_step(response_tokens: int, prompts: int = 2, samples: int = 2) -> dict:
         rng.standard_normal(len(flat)).tolist(),
         length,
     )
-    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(remat=True), OptimizerConfig())
+    # recompute: the old-log-prob forward runs too (its program is the long batch's other peak)
+    train = TrainConfig(remat=True, old_logprobs="recompute")
+    trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig())
     _, history = trainer.train_on_rollouts(trainer.init_state(params), batch)
     return dict(
         response_tokens=response_tokens,

@@ -208,7 +208,8 @@ def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup
     for mode in ("recompute", "auto"):
         train = TrainConfig(num_minibatches=2, micro_batches=2, old_logprobs=mode, assert_aligned=True)
         trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(learning_rate=3e-3))
-        state, history = trainer.train_on_rollouts(trainer.init_state(params), batch, np.random.default_rng(1))
+        rng = np.random.default_rng(1)
+        state, history = trainer.train_on_rollouts(trainer.init_state(params), batch, rng)
         runs[mode] = (trainer, state, jax.device_get(history))
     (scoring, slow, slow_history), (skipping, fast, fast_history) = runs["recompute"], runs["auto"]
     assert not scoring._old_from_rollout and skipping._old_from_rollout

@@ -180,10 +180,10 @@ GradsFn = Callable[[object, RolloutBatch, Normalisers], tuple]
 def accumulate(grads: GradsFn, params, batch: RolloutBatch, parts: int, norms: Normalisers) -> tuple:
     """``grads(params, micro_batch, norms) -> ((loss, metrics, gradients, extra gradients or None),
     rows)`` over the ``parts`` micro-batches of ``batch``, one at a time (the memory of one): the
-    first part added up, ``rows`` (a pytree of per-row arrays, or None) put back in the batch's row
-    order. With ``norms`` counted over the whole batch every term is already its share of the
-    batch's, so the sums are the batch's loss and gradients; the metrics in ``EXTREMA`` combine by
-    max/min. Returns (summed, rows)."""
+    first element added up over the parts, ``rows`` (a pytree of per-row arrays, or None) put back
+    in the batch's row order. With ``norms`` counted over the whole batch every term is already its
+    share of the batch's, so the sums are the batch's loss and gradients; the metrics in
+    ``EXTREMA`` combine by max/min. Returns (summed, rows)."""
     micro = _split(batch, parts)
     big = jnp.finfo(jnp.float32).max
     grads = jax.jit(grads)  # one trace (of the whole forward and backward) serves both uses below
@@ -460,7 +460,7 @@ class Trainer:
             raise TypeError(f"train_on_rollouts takes a RolloutBatch (qarl_jax.rl.batch), got {type(batch)}")
         sharded = self.shard_batch(batch)
         if self._old_from_rollout:
-            old_logp = sharded.rollout_logp  # 0 off the mask, as the forward's would be
+            old_logp = sharded.rollout_logp * sharded.mask  # 0 off the mask, as the forward's
             with self._context():
                 rollout_metrics = self._batch_metrics(sharded)
         else:

@@ -256,11 +256,12 @@ class Trainer:
         self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
         self._kl = bool(objective.kl_coef)
         # aligned: the training forward is the rollout's (the same kernels on the same weights)
-        aligned = model.quant is None or model.quant.mode == "aligned"
+        mode = "aligned" if model.quant is None else model.quant.mode
+        aligned = mode == "aligned"
         if train.old_logprobs == "rollout" and not aligned:
             raise ValueError(
                 f"train.old_logprobs=rollout needs the rollout's forward in training, but quant.mode="
-                f"{model.quant.mode!r} trains another one: use recompute (or auto)"
+                f"{mode!r} trains another one: use recompute (or auto)"
             )
         self._old_from_rollout = train.old_logprobs == "rollout" or (train.old_logprobs == "auto" and aligned)
         self._batch_metrics = jax.jit(self._batch_metrics_impl)
@@ -362,19 +363,21 @@ class Trainer:
 
     def _batch_metrics_impl(self, batch: RolloutBatch) -> dict:
         """The rollout batch's metrics that need no forward: response lengths, truncation, error tokens."""
+        mask = jnp.asarray(batch.mask)  # already jax arrays under jit, where this runs
+        truncated = None if batch.truncated is None else jnp.asarray(batch.truncated)
         return dict(
-            **rl_metrics.response_length_stats(batch.mask, batch.truncated),
-            **rl_metrics.error_token_stats(self.train.error_flags(batch), batch.mask),
+            **rl_metrics.response_length_stats(mask, truncated),
+            **rl_metrics.error_token_stats(self.train.error_flags(batch), mask),
         )
 
     @staticmethod
     def _scored_metrics(logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict:
         """The metrics of a forward over ``batch`` (:data:`SCORED_METRICS`) and its old log-probs."""
-        mask = batch.mask
+        mask = jnp.asarray(batch.mask)  # already jax arrays under jit, where this runs
         old = jax.lax.stop_gradient(logp) * mask
         return dict(
             policy_entropy=rl_metrics.entropy_mean(entropy, mask),
-            **rl_metrics.mismatch_stats(old, batch.rollout_logp, mask),
+            **rl_metrics.mismatch_stats(old, jnp.asarray(batch.rollout_logp), mask),
         )
 
     def _old_logprobs_impl(self, params, batch):
@@ -412,7 +415,8 @@ class Trainer:
         total, rows = accumulate(self._grads, state.params, batch, self.train.micro_batches, norms)
         loss, metrics, grads, flagged_grads = total
         if rows is not None:  # old_logprobs=rollout: what this forward says of the rollout's log-probs
-            metrics = {**metrics, **self._scored_metrics(*rows, batch)}
+            logp, entropy = rows
+            metrics = {**metrics, **self._scored_metrics(logp, entropy, batch)}
 
         grad_norm, weight_norm = rl_metrics.tree_norm(grads), rl_metrics.tree_norm(state.params)
         # a minibatch without a token in the loss has nothing to learn, yet its zero gradient would
@@ -481,7 +485,7 @@ class Trainer:
         if n % self.train.num_minibatches:
             raise ValueError(f"{n} sequences do not split into {self.train.num_minibatches} minibatches")
         size = n // self.train.num_minibatches
-        updates = []
+        updates: list[dict] = []
         for _ in range(self.train.ppo_epochs):
             order = np.arange(n) if rng is None else rng.permutation(n)
             for i in range(self.train.num_minibatches):

@@ -193,11 +193,7 @@ class Config:
                 f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
                 f"({self.rollout.temperature}): the loss scores the distribution the rollout sampled"
             )
-        if self.train.old_logprobs == "rollout" and self.quant.mode != "aligned":
-            raise ValueError(
-                f"train.old_logprobs=rollout needs the rollout's forward in training, but quant.mode="
-                f"{self.quant.mode!r} trains another one: use recompute (or auto)"
-            )
+        self.train.old_logprobs_from_rollout(self.quant.mode)  # raises for rollout in naive mode
         implied = self.objective.spec.advantage
         if self.rollout.advantage not in ("auto", implied):
             warnings.warn(

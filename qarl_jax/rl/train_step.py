@@ -133,6 +133,17 @@ class TrainConfig:
         if not 0 < self.low_prob_threshold < 1:
             raise ValueError(f"train.low_prob_threshold must be in (0, 1), got {self.low_prob_threshold}")
 
+    def old_logprobs_from_rollout(self, quant_mode: str) -> bool:
+        """Whether pi_old is the rollout's log-probs for a model in ``quant_mode`` (``auto``: when
+        aligned); ``rollout`` in a mode whose training forward is not the rollout's is an error."""
+        aligned = quant_mode == "aligned"
+        if self.old_logprobs == "rollout" and not aligned:
+            raise ValueError(
+                f"train.old_logprobs=rollout needs the rollout's forward in training, but quant.mode="
+                f"{quant_mode!r} trains another one: use recompute (or auto)"
+            )
+        return self.old_logprobs == "rollout" or (self.old_logprobs == "auto" and aligned)
+
     def error_flags(self, batch: RolloutBatch) -> dict[str, jax.Array]:
         """:func:`qarl_jax.rl.metrics.error_sequences` with this config's rules."""
         return rl_metrics.error_sequences(
@@ -255,15 +266,10 @@ class Trainer:
         # the error sequences' share of the gradient: their policy-gradient terms alone
         self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
         self._kl = bool(objective.kl_coef)
-        # aligned: the training forward is the rollout's (the same kernels on the same weights)
-        mode = "aligned" if model.quant is None else model.quant.mode
-        aligned = mode == "aligned"
-        if train.old_logprobs == "rollout" and not aligned:
-            raise ValueError(
-                f"train.old_logprobs=rollout needs the rollout's forward in training, but quant.mode="
-                f"{mode!r} trains another one: use recompute (or auto)"
-            )
-        self._old_from_rollout = train.old_logprobs == "rollout" or (train.old_logprobs == "auto" and aligned)
+        # unquantized, the training forward is the rollout's too (the same kernels on the same weights)
+        self._old_from_rollout = train.old_logprobs_from_rollout(
+            "aligned" if model.quant is None else model.quant.mode
+        )
         self._batch_metrics = jax.jit(self._batch_metrics_impl)
         self._old_logprobs = jax.jit(self._old_logprobs_impl)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl) if self._kl else None

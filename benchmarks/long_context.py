@@ -42,7 +42,6 @@ import numpy as np
 
 from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.quant import QuantSpec, quantize_params
-from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig
 from qarl_jax.rollout import EngineConfig, RolloutEngine
@@ -53,16 +52,8 @@ GB = 1e9
 
 def forward_grad_temp(name: str, layers: int, length: int, fmt: str, scan: bool) -> dict:
     """Compiled temp bytes and compile seconds of grad(sum(policy_logprobs)) at [1, length]."""
-    config = preset(name, num_hidden_layers=layers, scan_layers=scan)
-    model = Qwen3ForCausalLM(config, QuantSpec(fmt))
-    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    ints = jax.ShapeDtypeStruct((1, length), jnp.int32)
-
-    def loss(p, tokens, positions, segment_ids, targets):
-        logp = policy_logprobs(model, p, tokens, positions, segment_ids, targets, 1.0, remat=True)
-        return jnp.sum(logp)
-
-    c = compiled_memory.compile_memory("grad", jax.jit(jax.grad(loss)).lower(params, ints, ints, ints, ints))
+    model = Qwen3ForCausalLM(preset(name, num_hidden_layers=layers, scan_layers=scan), QuantSpec(fmt))
+    c = compiled_memory.differentiated_forward(model, length)
     return dict(shape=f"{name}:{layers}", length=length, temp_gb=c.temp / GB, compile_s=c.compile_s)
 
 

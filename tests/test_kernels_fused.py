@@ -66,17 +66,76 @@ def test_fused_chain_is_one_loop():
     assert unfused.lower(x, pos).compile().as_text().count(" while(") == 3
 
 
-def test_fused_gradient_is_the_chains():
-    """The backward differentiates the chain itself (straight-through for the matmul)."""
+@pytest.mark.parametrize("backward_rows", [None, 8, 20, 64])
+def test_fused_gradient_is_the_chains(backward_rows):
+    """The backward differentiates the chain itself (straight-through for the matmul), over chunks
+    of ``backward_rows`` rows (8: two chunks and a 4-row tail; 20: one chunk; 64: fewer rows than a
+    chunk), the weights' cotangents summed over the chunks."""
     x, pos = _inputs(20)
     p = _weights("bf16")
     loss = lambda f: lambda x, p: jnp.sum(jnp.sin(f(x, pos, p)[0]))
-    fused = lambda x, pos, p: fused_rows(_chain, (x, pos), p, block_rows=BLOCK)
+    fused = lambda x, pos, p: fused_rows(_chain, (x, pos), p, block_rows=BLOCK, backward_rows=backward_rows)
     gx, gp = jax.grad(loss(fused), argnums=(0, 1))(x, p)
     rx, rp = jax.grad(loss(_chain), argnums=(0, 1))(x, p)
+    # a chunk's forward runs its block programs on the chunk's rows, not on all 20: an f32 ulp in a
+    # normed row can flip its bf16 rounding at the matmul's input (2^-8 of one term of dw's sums)
+    atol = 1e-5 if backward_rows in (None, 20, 64) else 2e-4
     np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(gp["w"], rp["w"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(gp["scale"], rp["scale"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gp["w"], rp["w"], rtol=1e-4, atol=atol)
+    np.testing.assert_allclose(gp["scale"], rp["scale"], rtol=1e-4, atol=atol)
+
+
+def test_chunked_gradient_matches_finite_differences():
+    """A chunked backward (3 chunks and a tail) against central differences of the fused forward
+    along random directions (the kernels normalise in f32, so single elements' differences drown
+    in rounding; a direction through every input sums thousands of them). Float64 inputs; the
+    chain is norm -> dense matmul -> RoPE -> tanh, smooth everywhere."""
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(0), (27, K), jnp.float64)
+        pos = jnp.arange(27, dtype=jnp.int32) * 7
+        scale = jnp.linspace(0.5, 1.5, K, dtype=jnp.float64)
+        w = jax.random.normal(jax.random.key(1), (K, N), jnp.float64) * 0.1
+
+        def chain(x, pos, p):
+            h = rowwise.rms_norm(x, p["scale"], 1e-6)
+            y = rowwise.rope((h @ p["w"]).reshape(-1, HEADS, D), pos, 1e4).reshape(-1, N)
+            return (jnp.tanh(y),)
+
+        def f(x, w):
+            out = fused_rows(chain, (x, pos), {"scale": scale, "w": w}, block_rows=4, backward_rows=8)[0]
+            return jnp.sum(jnp.cos(jnp.arange(out.size).reshape(out.shape)) * out.astype(jnp.float64))
+
+        gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
+        eps_x, eps_w = 1e-2, 1e-4  # the norm runs in f32: x's differences need the larger step
+        for seed in range(3):
+            vx = jax.random.normal(jax.random.key(10 + seed), x.shape, jnp.float64)
+            vw = jax.random.normal(jax.random.key(20 + seed), w.shape, jnp.float64)
+            fd_x = (f(x + eps_x * vx, w) - f(x - eps_x * vx, w)) / (2 * eps_x)
+            fd_w = (f(x, w + eps_w * vw) - f(x, w - eps_w * vw)) / (2 * eps_w)
+            np.testing.assert_allclose(jnp.vdot(gx, vx), fd_x, rtol=2e-3)
+            np.testing.assert_allclose(jnp.vdot(gw, vw), fd_w, rtol=1e-4)
+
+
+def test_chunked_backward_memory_does_not_grow_with_the_rows():
+    """The backward keeps one chunk's intermediates, not every row's: XLA's temp bytes of the
+    gradient grow with M only by the O(M) inputs and cotangents, not by the chain's widest
+    intermediate (here 8x the row width)."""
+    wide = 8 * N
+
+    def chain(x, p):
+        return (jnp.tanh(rowwise.rms_norm(x, p["scale"], 1e-6) @ p["up"]) @ p["down"],)
+
+    p = {"scale": jnp.ones(K), "up": jnp.ones((K, wide)) * 0.01, "down": jnp.ones((wide, K)) * 0.01}
+
+    def temp(m: int, backward_rows: int) -> int:
+        x = jax.ShapeDtypeStruct((m, K), jnp.float32)
+        f = lambda x: jnp.sum(fused_rows(chain, (x,), p, block_rows=BLOCK, backward_rows=backward_rows)[0])
+        return jax.jit(jax.grad(f)).lower(x).compile().memory_analysis().temp_size_in_bytes
+
+    m = 8192
+    chunked, whole = temp(m, 256), temp(m, m)
+    assert whole > m * wide * 4  # all rows at once: at least one [M, wide] f32 intermediate alive
+    assert chunked < whole / 4 and chunked < 6 * m * K * 4 + 16 * 256 * wide * 4, (chunked, whole)
 
 
 def test_prepare_runs_before_the_loop_and_other_backends_call_fn():
@@ -95,6 +154,8 @@ def test_bad_inputs_are_named():
         fused_rows(_chain, (x, pos[:4]), _weights("bf16"), block_rows=BLOCK)
     with pytest.raises(ValueError, match="block_rows must be positive"):
         fused_rows(_chain, (x, pos), _weights("bf16"), block_rows=0)
+    with pytest.raises(ValueError, match="backward_rows must be positive"):
+        fused_rows(_chain, (x, pos), _weights("bf16"), block_rows=BLOCK, backward_rows=0)
     assert (
         default_block_rows(256) == 64 and default_block_rows(768) == 32 and default_block_rows(1 << 14) == 8
     )

@@ -28,6 +28,7 @@ from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rl.batch import RolloutBatch, training_batch
+from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rl.train_step import (
     ObjectiveConfig,
     OptimizerConfig,
@@ -70,6 +71,19 @@ def compile_memory(name: str, lowered) -> Compiled:
         m.temp_size_in_bytes,
         seconds,
     )
+
+
+def differentiated_forward(model: Qwen3ForCausalLM, length: int) -> Compiled:
+    """The trainer's differentiated forward at one row of ``length`` tokens, unsharded:
+    ``jax.grad`` of the sum of ``policy_logprobs(..., remat=True)`` (what an update differentiates,
+    without the objective and the optimizer). Its temp bytes are what long sequences cost."""
+    params = abstract_params(model, None, sharding.DEFAULT_RULES)
+    ints = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def loss(p, tokens, positions, segment_ids, targets):
+        return jnp.sum(policy_logprobs(model, p, tokens, positions, segment_ids, targets, 1.0, remat=True))
+
+    return compile_memory("grad", jax.jit(jax.grad(loss)).lower(params, ints, ints, ints, ints))
 
 
 def _with_sharding(x, s) -> jax.ShapeDtypeStruct:

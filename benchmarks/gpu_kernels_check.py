@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 import traceback
+from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -150,10 +151,11 @@ def invariance(cfg) -> dict:
     return out
 
 
-def _timed(fn, args, iters: int) -> float:
-    """Seconds per execution: ``iters`` executions dispatched back to back (the host runs ahead, so
-    per-call launch latency is not counted), median of 3 such runs."""
-    jax.block_until_ready(fn(*args))
+def timed(fn, args, iters: int) -> tuple[float, Any]:
+    """(seconds per execution, the first call's output): ``iters`` executions dispatched back to
+    back (the host runs ahead, so per-call launch latency is not counted), median of 3 such runs.
+    ``gpu_tune`` times its candidates with it too."""
+    out = jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -161,7 +163,7 @@ def _timed(fn, args, iters: int) -> float:
             last = fn(*args)
         jax.block_until_ready(last)
         ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts))
+    return float(np.median(ts)), out
 
 
 def speed(cfg, deadline: float) -> dict:
@@ -193,7 +195,7 @@ def speed(cfg, deadline: float) -> dict:
                 fn = jax.jit(
                     lambda x, cs, one=one, calls=calls: [one(x, cs[c % len(cs)]) for c in range(calls)]
                 )
-                t = _timed(fn, (x, copies), cfg["iters"]) / calls
+                t = timed(fn, (x, copies), cfg["iters"])[0] / calls
                 row[fmt] = {
                     "us": t * 1e6,
                     "weight_TBps": nbytes / t / 1e12,

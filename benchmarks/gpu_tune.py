@@ -15,7 +15,8 @@ likely configs. Each candidate is compiled (several at once, in threads), then f
 Only candidates passing every check can win. Written to $OUT (default ./out) after each batch:
 gpu_tune.json (everything, with XLA bf16 per shape) and tuned.py (the winners, in the format of
 ``kernels_pallas/matmul/tuned.py``: paste its TUNED entries there). Outputs are f32 for every kernel
-and for XLA's bf16 dot (bf16 in, f32 out). Imports only jax, numpy and kernels_pallas.
+and for XLA's bf16 dot (bf16 in, f32 out). Imports only jax, numpy, kernels_pallas and the sibling
+``gpu_kernels_check`` (its timer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from gpu_kernels_check import timed  # noqa: E402 - a sibling script: this file's folder is sys.path[0]
 
 from kernels_pallas import formats, quantized_matmul, reference_matmul  # noqa: E402
 from kernels_pallas._tiling import Blocks  # noqa: E402
@@ -134,17 +136,10 @@ def calls_fn(one, calls: int):
 
 
 def time_compiled(fn, args, iters: int, calls: int) -> tuple[float, jax.Array]:
-    """Seconds per matmul: ``iters`` executions dispatched back to back (the host runs ahead, so
-    launch latency is not counted), median of 3 such runs. Returns copy 0's output too."""
-    out = jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            last = fn(*args)
-        jax.block_until_ready(last)
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts)) / calls, out[0]
+    """Seconds per matmul (:func:`gpu_kernels_check.timed` over ``calls`` matmuls a run) and copy
+    0's output."""
+    seconds, out = timed(fn, args, iters)
+    return seconds / calls, out[0]
 
 
 def check(outs: dict[int, np.ndarray], data: ShapeData) -> dict:

@@ -17,7 +17,7 @@ from qarl_jax import sharding
 from qarl_jax.config import Config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
-from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, load_tokenizer, preset
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rollout import EngineConfig, RolloutEngine
 
@@ -38,7 +38,7 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
         depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
         cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
         model = Qwen3ForCausalLM(cfg, config.quant)
-        return model, sharding.init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
+        return model, init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
     path = model_dir(m.path)
     cfg = hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
     model = Qwen3ForCausalLM(cfg, config.quant)
@@ -93,7 +93,9 @@ def training_data(data: DataConfig) -> DataConfig:
 def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
     """The held-out prompts, in order, never rows the loop trains on: the test split of synthetic
     and TFDS sources; for JSONL the file ``data.eval_path``, else the held-out side of the
-    content-hash split of ``data.path``."""
+    content-hash split of ``data.path``. A batch of the pipeline (``prompt_ids``, ``answer``, ...)
+    plus ``skipped``: the held-out rows skipped on the way, by category, which the loop reports
+    as ``data/eval_skipped_*`` (as it reports the training data's as ``data/skipped_*``)."""
     held_out = dataclasses.replace(data, seed=data.seed + 1, batch_size=size, shuffle=False)
     if data.source in ("synthetic", "tfds"):
         held_out = dataclasses.replace(held_out, split="test")
@@ -102,7 +104,8 @@ def eval_set(data: DataConfig, size: int, tokenizer) -> dict:
     else:
         held_out = dataclasses.replace(held_out, hash_split="test")
     try:
-        return next(build_pipeline(held_out, tokenizer))
+        pipeline = build_pipeline(held_out, tokenizer)
+        return next(pipeline) | {"skipped": pipeline.skipped_by_category()}
     except DataError as e:
         if data.source != "jsonl" or data.eval_path is not None:
             raise

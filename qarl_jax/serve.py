@@ -23,6 +23,7 @@ import tempfile
 
 from kernels_pallas import FORMATS
 from qarl_jax.errors import QarlError, ServeError, one_line
+from qarl_jax.quiet_import import import_tensorflow
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -137,7 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--log-level", default="WARNING", choices=LOG_LEVELS, help="JetStream's logging (INFO: per-step logs)"
+        "--log-level",
+        default="WARNING",
+        choices=LOG_LEVELS,
+        help="JetStream's logging (INFO: per-step logs; DEBUG: also TensorFlow's start-up lines)",
     )
     return parser
 
@@ -168,7 +172,9 @@ def _serve(args: argparse.Namespace) -> int:
             step = export_run(*run, export)
             print(f"serving {run[0]}, checkpoint {step}", file=sys.stderr, flush=True)
             path = export
-        # the orchestrator sets the root logger to DEBUG when imported: import it, then set the level
+        # TensorFlow's start-up lines only at DEBUG; the orchestrator sets the root logger to DEBUG
+        # when imported: import it, then set the level
+        import_tensorflow(show=args.log_level == "DEBUG")
         from qarl_jax.rollout.jetstream_engine import Server, quiet_orchestrator_logs
 
         quiet_orchestrator_logs(getattr(logging, args.log_level))

@@ -12,16 +12,12 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
-
-if TYPE_CHECKING:
-    from qarl_jax.models.qwen3 import Qwen3ForCausalLM
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -155,13 +151,6 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """NamedSharding for every parameter of ``model`` (for init, loading and the train step)."""
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     return logical_to_sharding(abstract, mesh, rules)["params"]
-
-
-def init_sharded(model: Qwen3ForCausalLM, rng: jax.Array, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
-    """Initialise parameters directly in their shards (no device ever holds the whole model)."""
-    from qarl_jax.models.qwen3 import init_fn  # the models import this module (per-device kernels)
-
-    return jax.jit(init_fn(model), out_shardings=param_shardings(model, mesh, rules))(rng)
 
 
 def place(tree, shardings):

@@ -271,6 +271,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
             for step in bar:
                 state, metrics = loop.step(state, next(data), step, more=lambda: next(data))
                 metrics.update({f"data/skipped_{k}": n for k, n in data.skipped_by_category().items()})
+                metrics.update({f"data/eval_skipped_{k}": n for k, n in held_out["skipped"].items()})
                 done = step + 1
                 every = config.run.eval_every
                 if done == config.run.steps or (every and done % every == 0):

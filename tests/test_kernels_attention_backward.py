@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.attention import attention, reference_attention
+from kernels_pallas.attention import Visibility, attention, reference_attention
 from kernels_pallas.attention.backward import attention_backward
 
 
@@ -58,9 +58,8 @@ def test_blockwise_backward_matches_the_dense_formula(blocks):
     block spanning two sequences, blocks longer than the row."""
     (q, k, v, g, out, pos, starts, seg), want = _dense_vjp("packed")
     bq, bk = blocks
-    got = jax.jit(lambda *a: attention_backward(*a, pos, starts, seg, seg, block_q=bq, block_k=bk))(
-        q, k, v, out, g
-    )
+    visibility = Visibility(pos, starts, seg, seg)
+    got = jax.jit(lambda *a: attention_backward(*a, visibility, block_q=bq, block_k=bk))(q, k, v, out, g)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding
-from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.models import Qwen3ForCausalLM, init_params, init_sharded, preset
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
@@ -88,7 +88,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
     mesh = sharding.make_mesh(mesh_cfg)
     model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1))
     with sharding.activate(mesh, mesh_cfg.rules):
-        params = sharding.init_sharded(model, jax.random.key(0), mesh, mesh_cfg.rules)
+        params = init_sharded(model, jax.random.key(0), mesh, mesh_cfg.rules)
     trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(name=optimizer), mesh=mesh)
     state = trainer.init_state(params)
 

@@ -1,6 +1,7 @@
 """A real JetStream server (Driver + orchestrator, gRPC on localhost) around the rollout engine,
 queried through JetStream's own stubs: expected tokens, and it survives malformed requests."""
 
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,14 @@ from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 EOS = 0
 TIMEOUT = 60
+# what TensorFlow's and absl's C++ libraries print while loading, and any library's DEBUG logging
+NOISE = ("tensorflow/", "cpu_feature_guard", "oneDNN", "absl", "E0000", "W0000", "I0000", " DEBUG ")
+ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ ")  # absl's "I1202 05:19:18.658097 ..."
+
+
+def noise(text: str) -> list[str]:
+    """The lines of ``text`` that are start-up noise (see NOISE)."""
+    return [line for line in text.splitlines() if any(m in line for m in NOISE) or ABSL_PREFIX.match(line)]
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +98,31 @@ def test_server_returns_engine_tokens_and_survives_bad_requests(js, core, server
 
 
 def test_serve_cli_on_a_checkpoint(tmp_path, js):
-    """``python -m qarl_jax.serve`` loads a checkpoint, freezes it (w8a8) and answers on localhost."""
+    """``python -m qarl_jax.serve`` loads a checkpoint, freezes it (w8a8) and answers on localhost;
+    neither ``--help`` nor serving prints TensorFlow's or absl's start-up lines or DEBUG logs."""
     from qarl_jax.data.arith_tokenizer import build_arithmetic_tokenizer
 
+    serve = [sys.executable, "-m", "qarl_jax.serve"]
+    helped = subprocess.run([*serve, "--help"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert helped.returncode == 0 and "--log-level" in helped.stdout
+    assert not noise(helped.stdout + helped.stderr)
+    model_dir = tmp_path / "model"
     tokenizer = build_arithmetic_tokenizer()
     config = preset("qwen3-tiny")
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(2))
-    save_pretrained(tmp_path, config, params, tokenizer)
-    cmd = [sys.executable, "-m", "qarl_jax.serve", "--checkpoint", str(tmp_path), "--quant", "w8a8"]
-    cmd += ["--port", "0", "--slots", "2", "--max-len", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    save_pretrained(model_dir, config, params, tokenizer)
+    cmd = [*serve, "--checkpoint", str(model_dir), "--quant", "w8a8", "--port", "0", "--slots", "2"]
+    cmd += ["--max-len", "64"]
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    printed = []
     try:
-        line = ""
         for line in proc.stdout:
+            printed.append(line)
             if line.startswith("serving on"):
                 break
-        assert line.startswith("serving on 127.0.0.1:"), line
-        address = line.split()[-1]
+        assert printed[-1].startswith("serving on 127.0.0.1:"), printed
+        address = printed[-1].split()[-1]
         out = decode(js, address, 5, text="12+7=")
         assert 1 <= len(out) <= 5 and all(0 <= t < 128 for t in out)
         with pytest.raises(grpc.RpcError):
@@ -113,7 +130,32 @@ def test_serve_cli_on_a_checkpoint(tmp_path, js):
         assert decode(js, address, 5, text="12+7=") == out
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        printed.append(proc.communicate(timeout=30)[0])
+    assert not noise("".join(printed) + (tmp_path / "stderr").read_text())
+
+
+@pytest.mark.parametrize("case", ["quiet", "show", "user level 0", "failing"])
+def test_import_tensorflow_hides_start_up_lines_unless_asked(case, tmp_path, monkeypatch, capfd):
+    """What a module writes to descriptor 2 while loading (as TensorFlow's C++ libraries do) is
+    dropped; shown with ``show`` or ``TF_CPP_MIN_LOG_LEVEL=0``, and when the import fails."""
+    from qarl_jax.quiet_import import import_tensorflow
+
+    name = f"noisy_{case.replace(' ', '_')}"
+    fail = "raise ImportError('no library')" if case == "failing" else ""
+    (tmp_path / f"{name}.py").write_text(f"import os\nos.write(2, b'I0000 loading\\n')\n{fail}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    if case == "user level 0":
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    if case == "failing":
+        with pytest.raises(ImportError, match="no library"):
+            import_tensorflow(module=name)
+    else:
+        import_tensorflow(show=case == "show", module=name)
+        assert name in sys.modules
+        import_tensorflow(module=name)  # imported already: nothing happens
+    assert capfd.readouterr().err == ("" if case == "quiet" else "I0000 loading\n")
 
 
 def test_bound_port_and_unparsable_requests(js, core, server, tmp_path, capsys):

@@ -9,7 +9,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding as sh
-from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, ops, preset, save_pretrained
+from qarl_jax.models import (
+    Qwen3ForCausalLM,
+    from_pretrained,
+    init_params,
+    init_sharded,
+    ops,
+    preset,
+    save_pretrained,
+)
 
 MESHES = {
     "qwen3-tiny": sh.MeshConfig(data=2, fsdp=2, tensor=2),
@@ -44,7 +52,7 @@ def test_bad_mesh_configs(cfg, match):
 def test_sharded_init_equals_single_device(name):
     model = Qwen3ForCausalLM(preset(name))
     mesh = sh.make_mesh(MESHES[name])
-    sharded = sh.init_sharded(model, jax.random.key(3), mesh)
+    sharded = init_sharded(model, jax.random.key(3), mesh)
     jax.tree.map(np.testing.assert_array_equal, sharded, init_params(model, jax.random.key(3)))
     q = sharded["layers_1"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == P("fsdp", "tensor")

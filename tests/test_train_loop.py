@@ -85,6 +85,39 @@ def test_loop_with_dapo_data_side(tmp_path):
         assert "train/truncation_rate" in m
 
 
+def test_skipped_rows_of_training_and_held_out_files_are_both_in_the_metrics(tmp_path):
+    """A JSONL run with a held-out file (``data.eval_path``): the rows each file loses are counted
+    by category, the training file's as ``data/skipped_*``, the held-out file's as
+    ``data/eval_skipped_*`` (the too-long prompt is met while the held-out batch is drawn)."""
+
+    def write(name: str, rows: list) -> pathlib.Path:
+        lines = [r if isinstance(r, bytes) else json.dumps(r).encode() for r in rows]
+        (tmp_path / name).write_bytes(b"\n".join(lines) + b"\n")
+        return tmp_path / name
+
+    row = lambda a, b: {"question": f"{a}+{b}=", "answer": f"#### {a + b}"}
+    train_file = write("train.jsonl", [row(a, b) for a in range(4) for b in range(4)] + [b"nope"])
+    long = {"question": "1+" * 20 + "1=", "answer": "#### 21"}  # 42 tokens > data.max_prompt_tokens
+    bad = [b"{broken", {"q": 1}, [1], b"\xff\xfe", {"question": " ", "answer": "#### 1"}]
+    eval_file = write("eval.jsonl", [row(5, 1), row(6, 2), long, row(7, 3), *bad, row(8, 4)])
+    config = load_config(SMOKE, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "run.eval_prompts=4",
+                                 "run.tensorboard=false", "data.source=jsonl", f"data.path={train_file}",
+                                 f"data.eval_path={eval_file}"])  # fmt: skip
+    result = train(config)
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert step == result.summary["final"]
+    assert {k: v for k, v in step.items() if k.startswith("data/")} == {
+        "data/skipped_malformed": 1,
+        "data/skipped_too_long": 0,
+        "data/skipped_empty": 0,
+        "data/skipped_undecodable": 0,
+        "data/eval_skipped_malformed": 3,
+        "data/eval_skipped_too_long": 1,
+        "data/eval_skipped_empty": 1,
+        "data/eval_skipped_undecodable": 1,
+    }
+
+
 def test_evals_repeat_and_bf16_eval_of_a_bf16_run_equals_the_deployed_eval():
     # the run's format is bf16, so the deployed engine and the eval_bf16 engine (built apart, over
     # the master weights as they are) run the same weights in the same format: equal figures

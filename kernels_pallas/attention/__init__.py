@@ -1,8 +1,16 @@
 """Batch-invariant causal attention: ``api`` (public function, custom VJP), ``reference`` (dense
 XLA and float64), ``cpu`` / ``gpu`` / ``tpu`` kernels, ``common`` (the online softmax step and
-token ids the three share)."""
+token ids the three share, and :class:`Visibility`, the arguments after q, k, v)."""
 
 from kernels_pallas.attention.api import attention, default_block_kv
+from kernels_pallas.attention.common import Visibility
 from kernels_pallas.attention.reference import key_mask, reference_attention, reference_attention_f64
 
-__all__ = ["attention", "default_block_kv", "key_mask", "reference_attention", "reference_attention_f64"]
+__all__ = [
+    "Visibility",
+    "attention",
+    "default_block_kv",
+    "key_mask",
+    "reference_attention",
+    "reference_attention_f64",
+]

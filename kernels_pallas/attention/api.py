@@ -32,6 +32,7 @@ import jax
 from kernels_pallas import _backend
 from kernels_pallas._backend import Options
 from kernels_pallas.attention.backward import attention_backward
+from kernels_pallas.attention.common import Visibility
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -52,7 +53,7 @@ def _attention_fwd(q, k, v, positions, starts, segment_ids, kv_segment_ids, bloc
 
 def _attention_bwd(block_kv, target, res, g):
     q, k, v, out, *meta = res
-    return (*attention_backward(q, k, v, out, g, *meta), *(None for _ in meta))
+    return (*attention_backward(q, k, v, out, g, Visibility(*meta)), *(None for _ in meta))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas._tiling import next_pow2, pad_axis
+from kernels_pallas.attention.common import Visibility
 
 _HIGHEST = lax.Precision.HIGHEST
 DEFAULT_BLOCK = 256
@@ -39,16 +40,14 @@ def attention_backward(
     v: jax.Array,
     out: jax.Array,
     g: jax.Array,
-    positions: jax.Array,
-    starts: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
+    visibility: Visibility,
     *,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv) of ``attention(q, k, v, ...) = out`` for the cotangent ``g`` (layouts as the
-    forward's), in the dtypes of q, k, v."""
+    """(dq, dk, dv) of ``attention(q, k, v, *visibility) = out`` for the cotangent ``g`` (layouts
+    as the forward's), in the dtypes of q, k, v."""
+    positions, starts, segment_ids, kv_segment_ids = visibility
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     grp, scale, f32 = h // kvh, d**-0.5, jnp.float32

@@ -1,5 +1,6 @@
 """What the CPU, GPU and TPU attention programs share: the per-token ids they read and the online
-softmax step, so that the three compute the same thing in the same order.
+softmax step, so that the three compute the same thing in the same order; and :class:`Visibility`,
+the arguments that say which keys a query sees, as the backward and the models pass them on.
 
 A masked key's score is set to ``MASK`` and its probability selected to exactly 0 (not
 underflowed); the running max starts at ``MASK``, so a block with no visible key leaves the running
@@ -9,6 +10,7 @@ state bit-for-bit unchanged (max unchanged, rescale by exp(0) = 1, plus 0).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,18 @@ import jax.numpy as jnp
 from kernels_pallas._tiling import pad_axis
 
 MASK = -1e30
+
+
+class Visibility(NamedTuple):
+    """Which keys each query sees: the attention's arguments after q, k, v, in their order, so
+    ``attention(q, k, v, *visibility)`` (layouts in :mod:`kernels_pallas.attention.api`). One list
+    of them for every function that only passes them on (the backward, the models' per-device
+    call)."""
+
+    positions: jax.Array
+    starts: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
 
 
 def token_ids(

@@ -2,7 +2,7 @@
 
 from qarl_jax.models.config import PRESETS, Qwen3Config, preset
 from qarl_jax.models.hf_io import CheckpointError, from_pretrained, load_tokenizer, save_pretrained
-from qarl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM, init_params
+from qarl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM, init_params, init_sharded
 
 __all__ = [
     "PRESETS",
@@ -12,6 +12,7 @@ __all__ = [
     "Qwen3ForCausalLM",
     "from_pretrained",
     "init_params",
+    "init_sharded",
     "load_tokenizer",
     "preset",
     "save_pretrained",

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import fused_rows, rowwise
+from kernels_pallas.attention import Visibility
 from kernels_pallas.attention import attention as invariant_attention
 from qarl_jax import sharding
 
@@ -79,27 +80,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return per_device(lambda x, w: rowwise.rms_norm(x, w, eps), x, weight, batched=(True, False))
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    starts: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visibility: Visibility) -> jax.Array:
     """Causal grouped-query attention. q [B,T,H,D], k/v [B,S,KV,D]; query (b, t) sees the keys at
     indices starts[b, t] + 0..positions[b, t] (starts None: 0, the KV cache) of its own segment
-    (segment_ids [B, T], for packed rows where S == T)."""
-    return per_device(
-        lambda q, k, v, pos, st, seg: invariant_attention(q, k, v, pos, st, seg, seg),
-        q,
-        k,
-        v,
-        positions,
-        starts,
-        segment_ids,
-        batched=(True, True, True, True, True, True),
-    )
+    (segment ids [B, T] / [B, S]: a packed row, S == T, passes its segment_ids as both)."""
+    return per_device(invariant_attention, q, k, v, *visibility, batched=(True,) * (3 + len(visibility)))
 
 
 def softmax(logits: jax.Array) -> jax.Array:

@@ -22,9 +22,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from kernels_pallas import fused, rowwise
-from qarl_jax import quant
+from kernels_pallas.attention import Visibility
+from qarl_jax import quant, sharding
 from qarl_jax.models import ops
 from qarl_jax.models.config import Qwen3Config
 from qarl_jax.models.stacking import layer_runs
@@ -348,7 +350,8 @@ class DecoderLayer(nn.Module):
             ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
             k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
-        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, starts, segment_ids)
+        visibility = Visibility(positions, starts, segment_ids, segment_ids)  # packed rows: S == T
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), visibility)
         out = nn.with_logical_constraint(out.reshape(b, t, -1), ("batch", "length", "act_heads"))
         post = {
             "self_attn": {"o_proj": attn_w["o_proj"]},
@@ -494,5 +497,10 @@ def init_fn(model: Qwen3ForCausalLM):
 
 
 def init_params(model: Qwen3ForCausalLM, rng: jax.Array) -> dict:
-    """Single-device parameter init. See ``qarl_jax.sharding.init_sharded`` for meshes."""
+    """Single-device parameter init. See :func:`init_sharded` for meshes."""
     return jax.jit(init_fn(model))(rng)
+
+
+def init_sharded(model: Qwen3ForCausalLM, rng: jax.Array, mesh: Mesh, rules=sharding.DEFAULT_RULES) -> dict:
+    """Initialise parameters directly in their shards (no device ever holds the whole model)."""
+    return jax.jit(init_fn(model), out_shardings=sharding.param_shardings(model, mesh, rules))(rng)

@@ -45,7 +45,7 @@ def head_chunk_tokens(rows: int, length: int, vocab: int, budget: int | None = N
     return length if length <= chunk else chunk
 
 
-def policy_logprobs(
+def policy_scores(
     model: Qwen3ForCausalLM,
     params,
     tokens: jax.Array,
@@ -55,34 +55,29 @@ def policy_logprobs(
     temperature: float = 1.0,
     *,
     remat: bool = False,
-) -> jax.Array:
-    """log p(targets[b, t] | tokens[b, :t+1]) [B, T] f32 under the training forward, from the float
-    master ``params``. Packed rows: ``positions`` restart at 0 and ``segment_ids`` change at each
-    sequence (0 = padding). ``remat`` recomputes layer activations in the backward pass; the head
-    always runs in chunks of tokens (:func:`chunked_head`)."""
+    entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(log p(targets[b, t] | tokens[b, :t+1]), entropy or None) [B, T] f32 under the training
+    forward, from the float master ``params``. Packed rows: ``positions`` restart at 0 and
+    ``segment_ids`` change at each sequence (0 = padding). ``remat`` recomputes layer activations
+    in the backward pass; the head always runs in chunks of tokens (:func:`chunked_head`), where
+    ``entropy`` adds one more pass over each chunk's logits, not a second forward."""
     m = training_model(model, remat=remat)
     hidden = jnp.asarray(m.apply({"params": params}, tokens, positions, segment_ids, method="hidden"))
-    return chunked_head(m, params, hidden, targets, temperature)[0]
+    return chunked_head(m, params, hidden, targets, temperature, entropy=entropy)
 
 
-def policy_logprobs_and_entropy(
-    model: Qwen3ForCausalLM,
-    params,
-    tokens: jax.Array,
-    positions: jax.Array | None,
-    segment_ids: jax.Array | None,
-    targets: jax.Array,
-    temperature: float = 1.0,
-    *,
-    remat: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`policy_logprobs`, entropy of the policy at ``temperature``) [B, T] f32 from one forward.
-    The log-probs are bitwise those of :func:`policy_logprobs` (same kernel on the same logits); the
-    entropy -sum p log p runs the row-wise log-softmax kernel over the vocabulary, so it costs one
-    more pass over each chunk's logits, not a second forward."""
-    m = training_model(model, remat=remat)
-    hidden = jnp.asarray(m.apply({"params": params}, tokens, positions, segment_ids, method="hidden"))
-    logp, ent = chunked_head(m, params, hidden, targets, temperature, entropy=True)
+def policy_logprobs(*args, **kwargs) -> jax.Array:
+    """The log-probs of :func:`policy_scores` (same arguments) alone: no entropy pass."""
+    return policy_scores(*args, **kwargs)[0]
+
+
+def policy_logprobs_and_entropy(*args, **kwargs) -> tuple[jax.Array, jax.Array]:
+    """(:func:`policy_logprobs`, entropy of the policy at ``temperature``) [B, T] f32 from one forward
+    (:func:`policy_scores`' arguments). The log-probs are bitwise those of :func:`policy_logprobs`
+    (same kernel on the same logits); the entropy -sum p log p runs the row-wise log-softmax kernel
+    over the vocabulary."""
+    logp, ent = policy_scores(*args, entropy=True, **kwargs)
     assert ent is not None  # entropy=True computes it
     return logp, ent
 

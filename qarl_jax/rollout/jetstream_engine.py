@@ -1,6 +1,6 @@
 """The rollout engine behind JetStream 0.2.2's ``Engine`` API, and a localhost gRPC server with
 JetStream's ``Driver`` / orchestrator. The only module that imports JetStream (and so TensorFlow,
-~7-10 s): import it only to serve.
+~7-10 s, quietly: :mod:`qarl_jax.quiet_import`): import it only to serve.
 
 Adaptations to 0.2.2, each for a reason:
 - ``insert`` cannot return tokens, so every ``generate`` emits the token sampled one call earlier
@@ -31,12 +31,17 @@ import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jetstream.core import orchestrator
-from jetstream.core.proto import jetstream_pb2
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from qarl_jax.rollout.engine import DecodeState, RolloutEngine, SlotRequest
-from qarl_jax.rollout.sampling import GREEDY, SamplingParams
+from qarl_jax.quiet_import import import_tensorflow
+
+import_tensorflow()  # before JetStream imports it: its start-up lines hidden (see quiet_import)
+
+from jetstream.core import orchestrator  # noqa: E402
+from jetstream.core.proto import jetstream_pb2  # noqa: E402
+from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
+
+from qarl_jax.rollout.engine import DecodeState, RolloutEngine, SlotRequest  # noqa: E402
+from qarl_jax.rollout.sampling import GREEDY, SamplingParams  # noqa: E402
 
 BOS_SENTINEL = -1
 _PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # pad_tokens'

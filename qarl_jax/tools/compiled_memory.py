@@ -38,11 +38,13 @@ from qarl_jax.rl.train_step import (
     optimizer_shardings,
 )
 from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
+from qarl_jax.tools.collectives import collective_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """One compiled program's per-device memory (bytes) and compile time (seconds)."""
+    """One compiled program's per-device memory (bytes), the bytes its collectives deliver to a
+    device per call (:mod:`qarl_jax.tools.collectives`) and its compile time (seconds)."""
 
     name: str
     argument: int
@@ -50,6 +52,7 @@ class Compiled:
     alias: int
     temp: int
     compile_s: float
+    collective: int
 
     @property
     def peak(self) -> int:
@@ -70,6 +73,7 @@ def compile_memory(name: str, lowered) -> Compiled:
         m.alias_size_in_bytes,
         m.temp_size_in_bytes,
         seconds,
+        collective_bytes(compiled.as_text()),
     )
 
 

@@ -44,7 +44,11 @@ XLA's temporaries and fragmentation come on top, so leave headroom.
 devices of its size; see :mod:`qarl_jax.tools.compiled_memory`) and prints XLA's per-device memory
 of each (arguments, outputs, temporaries) and of the run at that program: the program's own
 peak plus what stays resident beside it (update: the frozen weights and KV cache; old log-probs:
-also the optimizer state; decode and prefill: the train state, and for prefill the KV cache).
+also the optimizer state; decode and prefill: the train state, and for prefill the KV cache),
+and ``moved``: the GB the program's collectives deliver to each device per call (an FSDP weight
+gathered whole counts its full size; one inside the layer scan counts once per layer), from the
+optimized HLO (:mod:`qarl_jax.tools.collectives`). ``--json FILE`` writes all of it as
+``{"programs": {"decode_step": {"collective_bytes": N, "temp_bytes": N, ...}, ...}, ...}``.
 Compiling a large model on CPU takes minutes.
 """
 
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import math
 import os
 import sys
@@ -317,11 +322,11 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
     lines = [
         "compiled (XLA memory_analysis per device, GB):",
         f"  {'program':<14}"
-        + "".join(f"{h:>8}" for h in ("args", "out", "alias", "temp", "peak", "run"))
+        + "".join(f"{h:>8}" for h in ("args", "out", "alias", "temp", "peak", "run", "moved"))
         + f"{'compile s':>11}",
     ]
     for x in cp["programs"]:
-        vals = (x.argument, x.output, x.alias, x.temp, x.peak, cp["run"][x.name])
+        vals = (x.argument, x.output, x.alias, x.temp, x.peak, cp["run"][x.name], x.collective)
         lines.append(f"  {x.name:<14}" + "".join(f"{v / GB:>8.2f}" for v in vals) + f"{x.compile_s:>11.1f}")
     lines.append(f"  engine KV cache {cp['kv_cache'] / GB:.2f} GB per device")
     total = (
@@ -332,6 +337,32 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
         verdict = "fits" if cp["fits"] else "DOES NOT FIT"
         total += f"; {cp['total_bytes'] / p['hbm_bytes']:.0%} of {p['hbm_bytes'] / GB:g} GB HBM: {verdict}"
     return "\n".join(lines + [total])
+
+
+def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+    """The compiled plan as JSON-ready data: bytes per device, per program and for the run."""
+    programs = {
+        x.name: dict(
+            argument_bytes=x.argument,
+            output_bytes=x.output,
+            alias_bytes=x.alias,
+            temp_bytes=x.temp,
+            peak_bytes=x.peak,
+            run_bytes=cp["run"][x.name],
+            collective_bytes=x.collective,
+            compile_s=x.compile_s,
+        )
+        for x in cp["programs"]
+    }
+    return dict(
+        programs=programs,
+        kv_cache_bytes=cp["kv_cache"],
+        peak_program=cp["peak_program"],
+        total_bytes=cp["total_bytes"],
+        hbm_bytes=p["hbm_bytes"],
+        fits=cp["fits"],
+        estimate_total_bytes=p["total_bytes"],
+    )
 
 
 def format_plan(p: dict[str, Any], config: Config) -> str:
@@ -398,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compiled", action="store_true", help="also compile the real programs and print XLA's memory"
     )
+    parser.add_argument("--json", help="with --compiled: also write the compiled plan here as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.micro_batches=8")
     args = parser.parse_args(argv)
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
@@ -414,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan error: {e}", file=sys.stderr)
         return 2
     print(format_compiled(cp, p))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(compiled_json(cp, p), f, indent=1)
     return 1 if cp["fits"] is False else 0
 
 

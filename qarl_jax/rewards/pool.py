@@ -40,11 +40,17 @@ GRADERS: dict[str, GradeFn] = {
     "math": grade_math,
 }
 IN_PROCESS_KINDS = frozenset({"synthetic"})
+# one sample a worker grades before it reports ready: math-verify imports sympy on first use (seconds,
+# more on a loaded machine), which must not count against a real sample's time limit
+WARM_UP = {"math": ("\\boxed{1}", "1")}
 
 
 def _worker(conn: Connection, graders: Mapping[str, GradeFn], timeout_s: int) -> None:
     """Grade ``(kind, response, answer)`` messages until the pipe closes; errors score 0."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings echo the whole input
+    for kind, (response, answer) in WARM_UP.items():
+        if kind in graders:
+            graders[kind](response, answer, timeout_s)
     conn.send("ready")
     while True:
         try:

@@ -12,14 +12,16 @@ import dataclasses
 import pathlib
 
 import jax
+from jax.sharding import Mesh
 
 from qarl_jax import sharding
 from qarl_jax.config import Config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
+from qarl_jax.models.config import Qwen3Config
 from qarl_jax.models.hf_io import load_config as hf_config
-from qarl_jax.rollout import EngineConfig, RolloutEngine
+from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 
 EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
 PACKAGE_DIR = pathlib.Path(__file__).parent
@@ -30,18 +32,24 @@ def model_dir(path: str) -> pathlib.Path:
     return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
 
 
-def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
-    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
+def architecture(config: Config) -> Qwen3Config:
+    """The policy's architecture: the preset's, or the checkpoint's config.json (no weights read)."""
     m = config.model
     layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
     if m.path is None:
         depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
-        cfg = preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
-        model = Qwen3ForCausalLM(cfg, config.quant)
+        return preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
+    return hf_config(model_dir(m.path), param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
+
+
+def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
+    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
+    m = config.model
+    model = Qwen3ForCausalLM(architecture(config), config.quant)
+    if m.path is None:
         return model, init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
     path = model_dir(m.path)
-    cfg = hf_config(path, param_dtype=m.param_dtype, dtype=m.compute_dtype, **layout)
-    model = Qwen3ForCausalLM(cfg, config.quant)
+    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
     shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
     _, params, _ = from_pretrained(
         path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
@@ -75,11 +83,20 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
 
 
-def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh) -> RolloutEngine:
-    """The rollout engine over frozen weights, with the run's slots, cache length and stop tokens."""
+def engine_layout(config: Config) -> Mesh:
+    """The rollout engine's mesh (``rollout.mesh`` over this process's devices), checked against the
+    architecture before any weight is loaded (see :func:`qarl_jax.rollout.layout.check_layout`)."""
+    r = config.rollout
+    layout.check_layout(r.mesh, architecture(config), jax.local_device_count())
+    return layout.engine_mesh(r.mesh)
+
+
+def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh: Mesh) -> RolloutEngine:
+    """The rollout engine over frozen weights on its own layout ``mesh`` (:func:`engine_layout`), with
+    the run's slots, cache length and stop tokens."""
     r = config.rollout
     engine_cfg = EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=eos_ids(tokenizer))
-    return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=config.mesh.rules)
+    return RolloutEngine(model, frozen, engine_cfg, mesh=mesh, rules=layout.ENGINE_RULES)
 
 
 def training_data(data: DataConfig) -> DataConfig:

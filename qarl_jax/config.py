@@ -23,6 +23,7 @@ from qarl_jax.rewards import GRADERS
 from qarl_jax.rl.advantages import ADVANTAGES, STDS
 from qarl_jax.rl.objectives import ObjectiveConfig
 from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig
+from qarl_jax.rollout.layout import RolloutMesh
 from qarl_jax.sharding import MeshConfig
 
 
@@ -79,6 +80,9 @@ class RolloutConfig:
     max_resample_rounds: int = 3  # at most this many more prompt batches per step (dynamic_sampling)
     overlong_buffer: int = 0  # soft overlong punishment over the last this-many tokens; 0: off
     overlong_penalty: float = 1.0  # the reward lost at max_new_tokens (overlong_buffer)
+    # the engine's own layout over this process's devices (qarl_jax.rollout.layout): data (slots on
+    # replicated frozen weights; default: every device) x expert (MoE experts split) x tensor (1)
+    mesh: RolloutMesh = RolloutMesh()
 
     def __post_init__(self):
         for name in ("samples_per_prompt", "max_new_tokens", "slots"):
@@ -137,14 +141,13 @@ class RunConfig:
 class AlignmentConfig:
     """``python -m qarl_jax.tools.check_alignment``: the random prompts it rolls out (with the
     rollout section's samples, slots, temperature and lengths) and the training batches it
-    re-scores them in (on the configured mesh)."""
+    re-scores them in (on the configured mesh; the rollout on ``rollout.mesh``)."""
 
     prompts: int = 16
     min_prompt_len: int = 4
     max_prompt_len: int = 32  # at most rollout.max_len - rollout.max_new_tokens
     train_rows: int = 8  # rows per training batch (the rollout batches rollout.slots)
     packing: bool = True  # several sequences per row; False: one per row, padded (the trainer's batch)
-    rollout_tensor: int | None = None  # the engine's tensor degree (data takes the rest); None: mesh's
 
     def __post_init__(self):
         for name in ("prompts", "min_prompt_len", "train_rows"):
@@ -154,8 +157,6 @@ class AlignmentConfig:
             raise ValueError(
                 f"max_prompt_len ({self.max_prompt_len}) < min_prompt_len ({self.min_prompt_len})"
             )
-        if self.rollout_tensor is not None and self.rollout_tensor < 1:
-            raise ValueError(f"rollout_tensor must be >= 1, got {self.rollout_tensor}")
 
 
 @dataclasses.dataclass(frozen=True)

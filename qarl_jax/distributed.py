@@ -5,12 +5,12 @@ The design, per step:
 
 * Rollouts are embarrassingly parallel, so each host draws its own share of the prompts
   (:func:`host_data`: ``data.batch_size`` is the global count; the pipeline shards records by
-  host) and rolls them out with an engine over its *local* devices (:func:`local_mesh`) holding a
-  full replica of the frozen weights (:func:`local_replica`: the quantized weights all-gathered to
-  a replicated layout on the global mesh, then this host's copies re-wrapped as local arrays,
-  without a copy when they are replicated already). No collective runs during a rollout, so hosts
-  may decode different numbers of steps. The price: every host holds the whole frozen model, once
-  per local device.
+  host) and rolls them out with an engine over its *local* devices, on the layout ``rollout.mesh``
+  states (:mod:`qarl_jax.rollout.layout`, the same rule as on one process). The frozen weights reach
+  it through :func:`local_replica` (all-gathered to a replicated layout on the global mesh, then this
+  host's copies re-wrapped as local arrays, without a copy when they are replicated already) and the
+  engine's one resharding into its layout. No collective crosses hosts during a rollout, so hosts
+  may decode different numbers of steps.
 * Grading and group advantages are local (a prompt's samples never leave its host); sample keys
   name prompts by their global index (host * per-host batch + row), so hosts share no randomness.
 * The hosts' rows form one global training batch (:func:`global_batch`) on the global mesh, so the
@@ -102,17 +102,9 @@ def host_data(config: DataConfig) -> DataConfig:
     return dataclasses.replace(config, batch_size=config.batch_size // count)
 
 
-def local_mesh(config: sharding.MeshConfig, mesh: Mesh) -> Mesh:
-    """The rollout engine's mesh: ``mesh`` itself on one process, else this process's devices, all
-    on the data axis (each holds the whole frozen model: rollouts are data-parallel on a host too)."""
-    if jax.process_count() == 1:
-        return mesh
-    return sharding.make_mesh(sharding.MeshConfig(rules=config.rules), jax.local_devices())
-
-
 def local_replica(tree, global_mesh: Mesh, mesh: Mesh):
     """Arrays on ``global_mesh`` -> full copies replicated over the local ``mesh`` (collective: every
-    process calls it, with the same tree)."""
+    process calls it, with the same tree); the tree as is on one process (the engine moves it)."""
     if jax.process_count() == 1:
         return tree
     replicated = NamedSharding(mesh, PartitionSpec())

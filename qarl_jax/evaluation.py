@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from qarl_jax import distributed, quant
+from qarl_jax import distributed
 from qarl_jax.config import Config, ConfigError
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
-from qarl_jax.rollout import GREEDY, RolloutEngine, SamplingParams, rollout
+from qarl_jax.rollout import GREEDY, RolloutEngine, SamplingParams, layout, rollout
 
 
 def eval_seed(seed: int) -> int:
@@ -125,7 +125,7 @@ class Evaluator:
         self.bf16_engine = None
         if config.run.eval_bf16:
             model = Qwen3ForCausalLM(engine.model.config, self.bf16_spec)
-            frozen = place(quant.quantize_params(params, self.bf16_spec))
+            frozen = place(layout.freeze(params, self.bf16_spec, model))
             self.bf16_engine = RolloutEngine(model, frozen, engine.config, engine.mesh, engine.rules)
 
     def _outcomes(self, engine: RolloutEngine) -> dict[str, np.ndarray]:
@@ -143,7 +143,8 @@ class Evaluator:
         """The eval figures of the engine's current weights and, with ``eval_bf16``, of ``params``."""
         metrics = eval_metrics(self._outcomes(self.engine), "eval")
         if self.bf16_engine is not None:
-            self.bf16_engine.update_params(self.place(quant.quantize_params(params, self.bf16_spec)))
+            frozen = layout.freeze(params, self.bf16_spec, self.bf16_engine.model)
+            self.bf16_engine.update_params(self.place(frozen))
             metrics |= eval_metrics(self._outcomes(self.bf16_engine), "eval_bf16")
             self.bf16_engine.release()
         return metrics

@@ -29,12 +29,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from qarl_jax import distributed, quant, rundir, sharding
+from qarl_jax import distributed, rundir, sharding
 from qarl_jax.build import (
     build_engine,
     build_policy,
     build_tokenizer,
     check_model_files,
+    engine_layout,
     eval_set,
     training_data,
 )
@@ -49,7 +50,7 @@ from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import bucketed_length
 from qarl_jax.rl.train_step import Trainer, TrainState
-from qarl_jax.rollout import RolloutEngine, SamplingParams, rollout
+from qarl_jax.rollout import RolloutEngine, SamplingParams, layout, rollout
 from qarl_jax.runlog import MetricsLog
 
 
@@ -129,8 +130,9 @@ class Loop:
         length = bucketed_length(longest, c.rollout.max_len, c.train.length_buckets)
         train_batch = dapo.groups_batch(groups, adv, rows, length, filler)
         train_batch = distributed.global_batch(train_batch, self.trainer.mesh, self.trainer.rules)
+        self.engine.release_params()  # the old frozen weights are dead: their memory goes to the update
         state, history = self.trainer.train_on_rollouts(state, train_batch, np.random.default_rng(seed))
-        self.engine.update_params(self.place(self.quantize(state.params)))
+        self.engine.update_params(self.place(self.quantize(state.params)), donate=True)
         history = jax.device_get(history)
         seconds = time.perf_counter() - start
         flat = [s for group in drawn.samples for s in group]
@@ -164,6 +166,7 @@ class Loop:
             **{f"dynamic/{k}": v for k, v in dynamic.items()},
             "time/step_s": float(seconds),
             "time/rollout_tokens_per_s": float(every_host["tokens"].sum() / rollout_s),
+            **self.engine.sync.metrics(),  # the move of the new frozen weights to the engine's layout
         }
         return state, metrics
 
@@ -195,6 +198,7 @@ def train(config: Config) -> Result:
     rundir.check_output_dir(run_dir)
     mesh = _mesh(config)
     check_model_files(config)
+    engine_mesh = engine_layout(config)
     tokenizer = build_tokenizer(config)
     host_data = distributed.host_data(training_data(config.data))
     data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
@@ -209,7 +213,7 @@ def train(config: Config) -> Result:
             begin = f"resuming from {ckpt.directory / str(latest)}" if latest else "starting at step 0"
             rundir.say(f"{run_dir}: {begin}; building the policy and compiling (the first step is slow)")
         try:
-            return _train(config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary)
+            return _train(config, run_dir, (mesh, engine_mesh), tokenizer, data, held_out, ckpt, primary)
         except KeyboardInterrupt:
             ckpt.close()  # the saves already started are committed
             step = ckpt.latest_step()
@@ -235,8 +239,8 @@ def _mesh(config: Config):
         raise ConfigError(f"mesh: {e} ({jax.device_count()} device(s) here)") from e
 
 
-def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
-    engine_mesh = distributed.local_mesh(config.mesh, mesh)
+def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
+    mesh, engine_mesh = meshes  # the trainer's (global) and the rollout engine's (this process's)
     place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=engine_mesh)
     with (
         sharding.activate(mesh, config.mesh.rules),
@@ -251,7 +255,7 @@ def _train(config: Config, run_dir, mesh, tokenizer, data, held_out, ckpt, prima
         if restored is not None:
             state, start = restored.state, restored.step
             data.set_state(distributed.own_data_state(restored.data_state, str(ckpt.directory / str(start))))
-        quantize = jax.jit(lambda p: quant.quantize_params(p, config.quant))
+        quantize = jax.jit(lambda p: layout.freeze(p, config.quant, model))
         engine = build_engine(config, model, place(quantize(state.params)), tokenizer, engine_mesh)
         evaluator = Evaluator(config, engine, tokenizer, grader, held_out, state.params, place)
         loop = Loop(config, trainer, engine, tokenizer, grader, quantize, place, evaluator)

@@ -193,7 +193,7 @@ def test_scanned_bf16_compute_with_f32_params_traces():
 def test_moe_token_chunks_are_bitwise_the_whole_layer(monkeypatch):
     """26 tokens through MoE chunks of 8 (the last one padded): the training log-probs equal the
     one-chunk layer's bit for bit, also under value_and_grad, and the gradients match it."""
-    from qarl_jax.models import qwen3
+    from qarl_jax.models import moe
 
     config, params, _ = _params()
     model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
@@ -208,7 +208,7 @@ def test_moe_token_chunks_are_bitwise_the_whole_layer(monkeypatch):
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
     (_, whole), whole_grads = run()
-    monkeypatch.setattr(qwen3, "MOE_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(moe, "MOE_CHUNK_TOKENS", 8)
     (_, chunked), grads = run()
     np.testing.assert_array_equal(chunked, whole)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads), strict=True):

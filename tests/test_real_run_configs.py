@@ -10,9 +10,17 @@ from qarl_jax import sharding
 from qarl_jax.config import MeshConfig, load_config
 from qarl_jax.models import Qwen3ForCausalLM, preset
 from qarl_jax.quant import QuantSpec, quantize_params
-from qarl_jax.rollout import EngineConfig
+from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.tools import compiled_memory
-from qarl_jax.tools.memory_plan import HBM_GB, PlanError, compiled_json, format_compiled, main, plan
+from qarl_jax.tools.memory_plan import (
+    HBM_GB,
+    HOST_DEVICES,
+    PlanError,
+    compiled_json,
+    format_compiled,
+    main,
+    plan,
+)
 
 CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 # config -> (the platform its header names, the published parameter count)
@@ -33,7 +41,8 @@ def test_real_run_config_shards_and_fits(name):
     platform, params = REAL_RUNS[name]
     config = load_config(CONFIGS / name)
     assert (config.quant.fmt, config.quant.mode, config.objective.name) == ("w4a16", "aligned", "tbpo")
-    p = plan(config, hbm_gb=HBM_GB[platform])  # raises PlanError on any dimension that does not divide
+    # raises PlanError on any dimension that does not divide; the engine runs per host
+    p = plan(config, hbm_gb=HBM_GB[platform], per_host=HOST_DEVICES[platform])
     m = config.mesh
     assert p["devices"] == m.data * m.fsdp * m.tensor * m.expert
     assert p["param_count"] == pytest.approx(params, rel=0.01)
@@ -65,28 +74,46 @@ def test_cli_prints_the_table_and_fails_what_does_not_fit(capsys):
     assert "plan error: mesh {'data': 1, 'fsdp': 8" in capsys.readouterr().err
 
 
-def test_the_decode_step_moves_the_sharded_frozen_weights_under_fsdp_only():
-    """What the engine's compiled decode step moves per call (collectives of its optimized HLO):
-    under FSDP it gathers every sharded frozen weight whole, each step (so at least their full
-    bytes arrive); on the data-parallel layout the weights are replicated and it moves next to
-    nothing. The text table and --json carry the same figure."""
-    model = Qwen3ForCausalLM(preset("qwen3-tiny"), QuantSpec("w4a16"))
+def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
+    """What the engine's compiled decode step moves per call (collectives of its optimized HLO). On
+    the training layout (FSDP rules), which the engine decoded on before it had a layout of its
+    own, it gathers every sharded frozen weight whole, each step (so at least their full bytes
+    arrive); on its own layouts it moves next to nothing: replicated weights (data=8), and for MoE
+    the experts split over expert=8 (each token's routed rows travel, not the weights). The text
+    table and --json carry the same figure."""
     engine = EngineConfig(slots=8, max_len=64)
     moved = {}
-    for name, layout in (("fsdp", MeshConfig(data=1, fsdp=8)), ("data", MeshConfig(data=8, fsdp=1))):
-        mesh = sharding.make_mesh(layout, jax.devices()[:8])
-        programs, _ = compiled_memory.engine_programs(model, model.quant, engine, 16, mesh)
-        moved[name] = {p.name: p.collective for p in programs}
-        if name == "fsdp":
-            with sharding.activate(mesh, sharding.DEFAULT_RULES):
-                params = compiled_memory.abstract_params(model, mesh, sharding.DEFAULT_RULES)
-                frozen = compiled_memory.jitted_outputs(lambda p: quantize_params(p, model.quant), params)
-            sharded = [x for x in jax.tree.leaves(frozen) if not x.sharding.is_fully_replicated]
-            assert sharded, "nothing of the tiny model is sharded: the test would prove nothing"
-            gathered = sum(x.size * x.dtype.itemsize for x in sharded)
-    assert moved["fsdp"]["decode_step"] >= gathered
+    model = Qwen3ForCausalLM(preset("qwen3-tiny"), QuantSpec("w4a16"))
+    training = sharding.make_mesh(MeshConfig(data=1, fsdp=8), jax.devices()[:8])
+    programs, _ = compiled_memory.engine_programs(
+        model, model.quant, engine, 16, training, sharding.DEFAULT_RULES
+    )
+    moved["fsdp"] = {p.name: p.collective for p in programs}
+    with sharding.activate(training, sharding.DEFAULT_RULES):
+        params = compiled_memory.abstract_params(model, training, sharding.DEFAULT_RULES)
+        frozen = compiled_memory.jitted_outputs(lambda p: quantize_params(p, model.quant), params)
+    sharded = [x for x in jax.tree.leaves(frozen) if not x.sharding.is_fully_replicated]
+    assert sharded, "nothing of the tiny model is sharded: the test would prove nothing"
+    assert moved["fsdp"]["decode_step"] >= sum(x.size * x.dtype.itemsize for x in sharded)
+    replicated = layout.engine_mesh(layout.RolloutMesh(data=8), jax.devices()[:8])
+    programs, _ = compiled_memory.engine_programs(model, model.quant, engine, 16, replicated)
+    moved["data"] = {p.name: p.collective for p in programs}
     assert moved["data"]["decode_step"] < moved["fsdp"]["decode_step"] / 10  # per-slot vectors only
-    run = {p.name: p.peak for p in programs}
+    moe = Qwen3ForCausalLM(preset("qwen3-moe-tiny"), QuantSpec("w4a16"))
+    experts = layout.engine_mesh(layout.RolloutMesh(data=1, expert=8), jax.devices()[:8])
+    moe_programs, _ = compiled_memory.engine_programs(moe, moe.quant, engine, 16, experts)
+    expert_bytes = sum(
+        x.size * x.dtype.itemsize
+        for path, x in jax.tree_util.tree_leaves_with_path(
+            jax.eval_shape(
+                lambda p: quantize_params(p, moe.quant), compiled_memory.abstract_params(moe, None, None)
+            )
+        )
+        if "experts" in jax.tree_util.keystr(path)
+    )
+    step = {p.name: p.collective for p in moe_programs}["decode_step"]
+    assert 0 < step < expert_bytes / 10, (step, expert_bytes)  # rows move (all-to-all), weights do not
+    run = {p.name: p.peak for p in programs} | {"weight_sync": 0}
     cp = dict(programs=programs, run=run, kv_cache=0, peak_program="prefill", total_bytes=1, fits=None)
     p = dict(hbm_bytes=None, total_bytes=1, peak_phase="update")
     assert compiled_json(cp, p)["programs"]["decode_step"]["collective_bytes"] == moved["data"]["decode_step"]

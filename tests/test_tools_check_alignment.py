@@ -57,9 +57,12 @@ def test_naive_mode_mismatches(capsys):
     assert report["kl_k3"] > 0.0 and report["seq_ratio_quantiles"]["p0"] != 1.0
 
 
-def test_moe_aligned_bitwise_same_routing_padded_batches(capsys):
+def test_moe_expert_parallel_rollout_bitwise_same_routing_padded_batches(capsys):
+    """The engine on its expert-parallel layout (each device owns 2 of the 8 experts, slots over
+    data x expert), the trainer on FSDP: bitwise, every token routed the same."""
     moe = ("model.path=null", "model.preset=qwen3-moe-tiny")  # the default policy is a dense checkpoint
-    report = check(capsys, *moe, "mesh.data=8", "alignment.packing=false")
+    layout = ("rollout.mesh.data=2", "rollout.mesh.expert=4")
+    report = check(capsys, *moe, "mesh.data=2", "mesh.fsdp=4", *layout, "alignment.packing=false")
     assert_bitwise(report)
     assert report["frac_same_experts"] == 1.0
 
@@ -73,8 +76,9 @@ def test_bad_configuration_exits_2(capsys):
     assert "mesh" in capsys.readouterr().err
 
 
-def test_tensor_parallel_training_against_single_degree_rollout(capsys):
-    """Training on tensor=2, the engine on tensor=1: w8a8 stays bitwise (so do bf16 and w4a16, measured:
-    the matmul kernels gather each weight whole per device, so no sum is split across devices)."""
-    report = check(capsys, "quant.fmt=w8a8", "mesh.data=4", "mesh.tensor=2", "alignment.rollout_tensor=1")
+def test_tensor_parallel_training_against_replicated_rollout(capsys):
+    """Training on tensor=2, the engine on its default layout (every device a replica): w8a8 stays
+    bitwise (so do bf16 and w4a16, measured: the matmul kernels gather each weight whole per device,
+    so no sum is split across devices)."""
+    report = check(capsys, "quant.fmt=w8a8", "mesh.data=4", "mesh.tensor=2")
     assert_bitwise(report)

@@ -290,6 +290,20 @@ PRESETS: dict[str, Qwen3Config] = {
         decoder_sparse_step=1,
         mlp_only_layers=(),
     ),
+    "qwen3-235b-a22b": _QWEN3_1_7B.replace(  # 235B params, 22B active: 128 experts top-8 in every layer
+        hidden_size=4096,
+        intermediate_size=12288,  # in its config.json, unused: every layer is sparse
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    ),
 }
 
 

@@ -22,14 +22,19 @@ from kernels_pallas.attention import attention as invariant_attention
 from qarl_jax import sharding
 
 R = TypeVar("R")  # what the per-device function returns: an array or a tuple of them
+MATMUL_OUTPUT = "matmul_output"  # checkpoint name of every projection's output (remat "save_dots")
 
 
-def per_device(fn: Callable[..., R], *args, batched: tuple[bool, ...]) -> R:
+def per_device(
+    fn: Callable[..., R], *args, batched: tuple[bool, ...], specs: tuple[P | None, ...] | None = None
+) -> R:
     """``fn(*args)`` with each device running it on its own batch rows (leading axis of the
     ``batched`` args and of the result) under the active mesh and the logical "batch" rule; other
-    args are gathered whole. Why: under plain jit the SPMD partitioner splits a kernel's row-block
-    loop its own way (measured: FSDP layouts changed the bits); inside ``shard_map`` every device
-    runs the single-device program. Rows are replicated when the batch does not divide."""
+    args are gathered whole, or split as ``specs`` says (a PartitionSpec per non-batched arg, None
+    for batched ones: e.g. the experts over the expert axis). Why: under plain jit the SPMD
+    partitioner splits a kernel's row-block loop its own way (measured: FSDP layouts changed the
+    bits); inside ``shard_map`` every device runs the single-device program. Rows are replicated
+    when the batch does not divide."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or mesh.manual_axes:  # no mesh, or already per device
         return fn(*args)
@@ -42,12 +47,16 @@ def per_device(fn: Callable[..., R], *args, batched: tuple[bool, ...]) -> R:
                 full[i] = x
             return fn(*full)
 
-        return per_device(with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present))
+        kept = None if specs is None else tuple(specs[i] for i in present)
+        return per_device(
+            with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present), specs=kept
+        )
     names = sharding.batch_axes()
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
     spec = P(names) if names and rows % sharding.axis_ways(names, mesh) == 0 else P()
-    specs = tuple(spec if b else P() for b in batched)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
+    given = specs or (None,) * len(args)
+    in_specs = tuple(spec if b else (s or P()) for b, s in zip(batched, given, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
 
 
 def fused_tokens(

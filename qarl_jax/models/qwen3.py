@@ -23,12 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import fused, rowwise
 from kernels_pallas.attention import Visibility
 from qarl_jax import quant, sharding
-from qarl_jax.models import ops
+from qarl_jax.models import moe, ops
 from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.ops import MATMUL_OUTPUT
 from qarl_jax.models.stacking import layer_runs
 
 _INIT_STD = 0.02
@@ -62,9 +64,6 @@ def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
         return nn.meta.unbox(module.get_variable("params", name))
     init = init or nn.initializers.normal(_INIT_STD)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-MATMUL_OUTPUT = "matmul_output"  # checkpoint name of every projection's output (remat "save_dots")
 
 
 class Dense(nn.Module):
@@ -229,10 +228,9 @@ class ExpertWeights(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts, dropless: every (token, expert) pair is computed, none is dropped.
-
-    Pairs are sorted by expert into contiguous groups for one grouped matmul per projection
-    (static shapes: tokens * top_k rows whatever the routing)."""
+    """Top-k routed experts (:func:`qarl_jax.models.moe.moe`), per device. On a mesh whose "experts"
+    rule names an axis of more than one device, each device keeps only its experts (expert
+    parallel); otherwise it computes every expert on the gathered weights."""
 
     config: Qwen3Config
     quant: quant.QuantSpec | None
@@ -242,9 +240,16 @@ class MoE(nn.Module):
         c = self.config
         router = _Kernel((c.hidden_size, c.num_experts), ("embed", None), c.param_dtype, name="router")()
         weights = ExpertWeights(c, name="experts")()
-        # tokens are independent (dropless): each device routes and computes its own batch rows
+        axis = _expert_axis(c)
+        expert_spec = P() if axis is None else P(axis)
+        split = axis is not None and x.shape[0] % sharding.batch_ways(jax.sharding.get_abstract_mesh()) == 0
         out, experts = ops.per_device(
-            lambda x, r, w: _moe(x, r, w, c, self.quant), x, router, weights, batched=(True, False, False)
+            lambda x, r, w: moe.moe(x, r, w, c, self.quant, axis, split),
+            x,
+            router,
+            weights,
+            batched=(True, False, False),
+            specs=(None, P(), expert_spec),
         )
         # the router's choices [B, T, top_k], kept only when "intermediates" is mutable (alignment
         # tools compare the rollout's and the training forward's routing); otherwise a no-op
@@ -252,69 +257,17 @@ class MoE(nn.Module):
         return out
 
 
-# Tokens per MoE chunk: a longer sequence's routed rows (tokens x top_k copies of the hidden state,
-# and their expert activations) are built and differentiated this many tokens at a time.
-MOE_CHUNK_TOKENS = 1024
-
-
-def _moe(
-    x, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None
-) -> tuple[jax.Array, jax.Array]:
-    """(output [B, T, H], chosen experts [B, T, top_k] in the router's order). More than
-    ``MOE_CHUNK_TOKENS`` tokens run as a scan over chunks of them, each rematerialised in the
-    backward pass: tokens are independent (dropless routing, row-wise kernels), so a token's bits
-    do not depend on the chunk it falls in."""
-    b, t, hdim = x.shape
-    tokens = x.reshape(b * t, hdim).astype(c.dtype)
-    n = b * t
-    if n <= MOE_CHUNK_TOKENS:
-        out, experts = _moe_tokens(tokens, router, expert_weights, c, spec)
-    else:
-        chunks = -(-n // MOE_CHUNK_TOKENS)
-        padded = jnp.pad(tokens, ((0, chunks * MOE_CHUNK_TOKENS - n), (0, 0)))
-
-        @jax.checkpoint
-        def one(chunk):
-            return _moe_tokens(chunk, router, expert_weights, c, spec)
-
-        _, (out, experts) = jax.lax.scan(
-            lambda carry, chunk: (carry, one(chunk)), None, padded.reshape(chunks, MOE_CHUNK_TOKENS, hdim)
-        )
-        out, experts = out.reshape(-1, hdim)[:n], experts.reshape(-1, c.num_experts_per_tok)[:n]
-    return out.reshape(b, t, hdim), experts.reshape(b, t, c.num_experts_per_tok)
-
-
-def _moe_tokens(tokens, router, expert_weights, c: Qwen3Config, spec: quant.QuantSpec | None):
-    """(output [N, H], chosen experts [N, top_k]) of the routed experts on ``tokens`` [N, H]."""
-    e, k = c.num_experts, c.num_experts_per_tok
-    logits = quant.dot(tokens, router, spec, "router")
-    weights, experts = jax.lax.top_k(ops.softmax(logits), k)
-    if c.norm_topk_prob:
-        weights = weights / _sum_in_order([weights[:, i : i + 1] for i in range(k)])
-    weights = weights.astype(c.dtype)
-
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    rows = tokens[order // k]
-    group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
-    w_gate, w_up, w_down = expert_weights
-
-    def dot(a, w):
-        return checkpoint_name(quant.grouped_dot(a, w, group_sizes, spec, "experts"), MATMUL_OUTPUT)
-
-    gate, up = dot(rows, w_gate), dot(rows, w_up)
-    out = dot(nn.silu(gate) * up, w_down)
-    out = jnp.zeros_like(out).at[order].set(out).reshape(-1, k, tokens.shape[1])
-    return _sum_in_order([out[:, i] * weights[:, i : i + 1] for i in range(k)]), experts
-
-
-def _sum_in_order(terms: list[jax.Array]) -> jax.Array:
-    """t0 + t1 + ... left to right: elementwise adds in a fixed order instead of an XLA reduction,
-    whose order may change with the number of tokens."""
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
+def _expert_axis(c: Qwen3Config) -> str | None:
+    """The mesh axis the experts are split over (expert parallel), or None (every device computes
+    every expert): the active rules' axis for "experts" when it is one axis of > 1 devices that
+    divides the experts and also splits the batch rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return None
+    axes = sharding.mesh_axis_names(nn.logical_to_mesh_axes(("experts",))[0])  # type: ignore[index]
+    if len(axes) != 1 or mesh.shape[axes[0]] == 1 or c.num_experts % mesh.shape[axes[0]]:
+        return None
+    return axes[0] if axes[0] in sharding.batch_axes() else None
 
 
 class DecoderLayer(nn.Module):

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from qarl_jax import sharding
 from qarl_jax.models import KVCache, Qwen3ForCausalLM
+from qarl_jax.rollout import layout
 from qarl_jax.rollout.sampling import SamplingParams, sample
 
 
@@ -208,8 +209,13 @@ class RolloutEngine:
         self.model, self.config, self.mesh, self.rules = model, config, mesh, rules
         self.hook = hook
         self._collected = None  # a traced forward's hook output, read back within the same trace
-        self.params = params
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        # the frozen weights' layout on the engine's mesh (rules' logical axes), moved there once
+        # per update (see qarl_jax.rollout.layout); without a mesh they stay where they are
+        shardings = None if mesh is None else layout.frozen_shardings(model, params, mesh, rules)
+        self.sync = layout.WeightSync(shardings)
+        concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))  # else: structs to lower
+        self.params = self.sync(params, donate=False) if mesh is not None and concrete else params
+        self._owns_params = False  # True after a donated update: release_params may free them
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self._eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
         self._prefill = jax.jit(self._with_collected(self._prefill_impl))
@@ -220,9 +226,9 @@ class RolloutEngine:
 
     # ---- weights and memory -------------------------------------------------------------------
 
-    def update_params(self, params) -> None:
-        """Swap in new frozen weights (same tree, shapes and dtypes: no recompilation), placed on
-        the engine's shardings (resharded from the trainer's mesh when it differs)."""
+    def update_params(self, params, donate: bool = False) -> None:
+        """Swap in new frozen weights (same tree, shapes and dtypes: no recompilation), moved to the
+        engine's layout in one resharding (``donate``: the given arrays may be consumed by it)."""
         old, new = jax.tree.structure(self.params), jax.tree.structure(params)
         if old != new:  # type: ignore[operator]  # PyTreeDef compares by structure; its stub has no __ne__
             raise ValueError(f"update_params: parameter tree differs from the engine's ({new} vs {old})")
@@ -233,11 +239,16 @@ class RolloutEngine:
                     f"update_params: {jax.tree_util.keystr(path)} is {b.shape} {b.dtype}, "
                     f"the engine runs {a.shape} {a.dtype}"
                 )
-        self.params = jax.tree.map(
-            lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
-            params,
-            self._param_shardings,
-        )
+        self.params = params if self.mesh is None else self.sync(params, donate=donate)
+        self._owns_params = donate
+
+    def release_params(self) -> None:
+        """Free the engine's copy of the frozen weights (the trainer's phase: they are replaced after
+        the update anyway); ``update_params`` brings new ones. Only for weights the engine owns (moved
+        into its layout by ``update_params(..., donate=True)``): a caller's arrays are not freed."""
+        if self._owns_params:
+            for leaf in jax.tree.leaves(self.params):
+                leaf.delete()
 
     def init_decode_state(self) -> DecodeState:
         """A fresh state on the engine's mesh (not the caller's): zeroed cache (compute dtype),

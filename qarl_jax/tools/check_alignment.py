@@ -7,7 +7,8 @@ length) at ``rollout.temperature``, and records each token's log-prob under the 
 was drawn from (what the trainer stores as the rollout log-prob). Every sampled token is then
 re-scored by the loss the trainer differentiates (``logprob_loss`` under ``jax.value_and_grad``;
 the log-probs are its auxiliary output) on training batches of ``alignment.train_rows`` rows,
-packed or padded, on the configured mesh. With no arguments it checks the embedded tiny model;
+packed or padded, on the configured mesh (``mesh.*``; the engine on its own layout,
+``rollout.mesh.*``, as in training). With no arguments it checks the embedded tiny model;
 ``model.path=DIR`` checks a Hugging Face checkpoint.
 
 Report (d = training log-prob - rollout log-prob of a sampled token, nats):
@@ -28,7 +29,6 @@ Report (d = training log-prob - rollout log-prob of a sampled token, nats):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qarl_jax import quant, sharding
-from qarl_jax.build import build_policy, build_tokenizer, eos_ids
+from qarl_jax import sharding
+from qarl_jax.build import build_policy, build_tokenizer, engine_layout, eos_ids
 from qarl_jax.config import Config, ConfigError, load_config
 from qarl_jax.rl.alignment import generated_logprobs, pack
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import logprob_loss, training_model
-from qarl_jax.rollout import EngineConfig, RolloutEngine, Sample, SamplingParams, rollout
+from qarl_jax.rollout import EngineConfig, RolloutEngine, Sample, SamplingParams, layout, rollout
 from qarl_jax.tools.routing import RouteRecorder, routed_experts
 
 KEYS = (
@@ -102,22 +102,22 @@ def _prompts(config: Config, vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
 
 
-def _rollout(config: Config, model, params, mesh: Mesh, prompts, stops: tuple[int, ...], progress: bool):
-    """Samples from the engine on ``mesh`` (frozen weights quantized there) and, for MoE, the
-    decode path's routing per sample."""
+def _rollout(config: Config, model, params, meshes, prompts, stops: tuple[int, ...], progress: bool):
+    """Samples from the engine on its own layout (frozen weights quantized on the training mesh,
+    then moved, as the training loop does) and, for MoE, the decode path's routing per sample."""
+    train_mesh, engine_mesh = meshes
     rules, r = config.mesh.rules, config.rollout
-    with sharding.activate(mesh, rules):
-        placed = jax.device_put(params, sharding.param_shardings(model, mesh, rules))
-        frozen = jax.jit(lambda p: quant.quantize_params(p, config.quant))(placed)
-        recorder = RouteRecorder() if model.config.is_moe else None
-        engine = RolloutEngine(
-            model,
-            frozen,
-            EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=stops),
-            mesh=mesh,
-            rules=rules,
-            hook=recorder,
-        )
+    with sharding.activate(train_mesh, rules):
+        frozen = jax.jit(lambda p: layout.freeze(p, config.quant, model))(params)
+    recorder = RouteRecorder() if model.config.is_moe else None
+    engine = RolloutEngine(
+        model,
+        frozen,
+        EngineConfig(slots=r.slots, max_len=r.max_len, eos_ids=stops),
+        mesh=engine_mesh,
+        rules=layout.ENGINE_RULES,
+        hook=recorder,
+    )
     samples = rollout(
         engine,
         prompts,
@@ -202,20 +202,16 @@ def _score(config: Config, model, params, mesh: Mesh, prompts, samples: list[Sam
 def run(config: Config, progress: bool = True) -> dict:
     """Roll out, re-score and compare; returns the report (``KEYS``, in order)."""
     _check(config)
-    a = config.alignment
     train_mesh = _mesh(config.mesh, "mesh")
-    rollout_cfg = config.mesh
-    if a.rollout_tensor is not None:  # the devices freed or taken go to (or come from) data parallelism
-        free = [ax for ax in sharding.MESH_AXES if ax != "tensor" and getattr(config.mesh, ax) == -1]
-        data = config.mesh.data if free else -1
-        rollout_cfg = dataclasses.replace(config.mesh, tensor=a.rollout_tensor, data=data)
-    rollout_mesh = _mesh(rollout_cfg, "alignment.rollout_tensor")
+    engine_mesh = engine_layout(config)
     with sharding.activate(train_mesh, config.mesh.rules):
         model, params = build_policy(config, train_mesh)
     tokenizer = build_tokenizer(config)
     prompts = _prompts(config, model.config.vocab_size)
     stops = eos_ids(tokenizer)
-    samples, rollout_routes = _rollout(config, model, params, rollout_mesh, prompts, stops, progress)
+    samples, rollout_routes = _rollout(
+        config, model, params, (train_mesh, engine_mesh), prompts, stops, progress
+    )
     train_lp, train_routes = _score(config, model, params, train_mesh, prompts, samples)
     report = mismatch(train_lp, [np.asarray(s.sampling_logprobs, np.float32) for s in samples])
     same = None
@@ -225,13 +221,18 @@ def run(config: Config, progress: bool = True) -> dict:
     return report | {"frac_same_experts": same, "format": config.quant.fmt, "mode": config.quant.mode}
 
 
+def _layout_text(mesh: layout.RolloutMesh) -> str:
+    sizes = mesh.mesh_config().shape(jax.local_device_count())
+    return " ".join(f"{a}={sizes[a]}" for a in ("data", "tensor", "expert"))
+
+
 def _describe(config: Config, report: dict) -> str:
     r, a = config.rollout, config.alignment
     lines = [
         f"model {config.model.path or config.model.preset}, {config.quant.fmt} {config.quant.mode}, "
         f"{jax.device_count()} device(s), training mesh {config.mesh.shape(jax.device_count())}",
         f"rollout: {a.prompts} prompts x {r.samples_per_prompt} samples on {r.slots} slots, "
-        f"temperature {r.temperature}, tensor degree {a.rollout_tensor or config.mesh.tensor}; "
+        f"temperature {r.temperature}, rollout.mesh {_layout_text(r.mesh)}; "
         f"training batches of {a.train_rows} rows, "
         f"{'packed' if a.packing else 'padded'}",
     ]

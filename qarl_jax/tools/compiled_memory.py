@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
-from qarl_jax.quant import QuantSpec, quantize_params
+from qarl_jax.quant import QuantSpec
 from qarl_jax.rl.batch import RolloutBatch, training_batch
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rl.train_step import (
@@ -37,6 +37,7 @@ from qarl_jax.rl.train_step import (
     TrainState,
     optimizer_shardings,
 )
+from qarl_jax.rollout import layout
 from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
 from qarl_jax.tools.collectives import collective_bytes
 
@@ -172,12 +173,15 @@ def engine_programs(
     engine_config: EngineConfig,
     prompt_tokens: int,
     mesh: Mesh | None,
-    rules=sharding.DEFAULT_RULES,
+    rules=layout.ENGINE_RULES,
 ) -> tuple[list[Compiled], int]:
     """(the engine's prefill of ``max_prefill_batch`` prompts of ``prompt_tokens`` (bucketed) and
-    its decode step over every slot, KV-cache bytes per device) on frozen ``spec`` weights."""
+    its decode step over every slot, KV-cache bytes per device) on frozen ``spec`` weights, on the
+    engine's own layout ``mesh`` (:func:`qarl_jax.rollout.layout.engine_mesh`; None: one device)."""
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, spec, model), abstract_params(model, None, rules))
     with sharding.activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
-        frozen = jitted_outputs(lambda p: quantize_params(p, spec), abstract_params(model, mesh, rules))
+        if mesh is not None:
+            frozen = jax.tree.map(_with_sharding, frozen, layout.frozen_shardings(model, frozen, mesh, rules))
         engine = RolloutEngine(model, frozen, engine_config, mesh=mesh, rules=rules)
         state = _abstract_state(engine, mesh)
         rows = engine_config.max_prefill_batch

@@ -37,7 +37,10 @@ where a = activation elements per token of one layer, kept for the backward: 4 H
 kv_heads) x head_dim + 4 x intermediate (dense MLP) or experts + top_k x (2 H + 4 x
 moe_intermediate) (MoE); logits are in c with an f32 log-softmax or gradient beside them; W = the
 largest layer (or lm_head) gathered whole in p, since ``ops.per_device`` runs every matmul on the
-gathered weight (twice in the update: the weight and its full-size gradient). These are estimates:
+gathered weight (twice in the update: the weight and its full-size gradient; an MoE layer's experts
+a 1/expert share on a mesh with an expert axis, whose MoE is expert parallel); the rollout engine's
+weights sit on its own layout, gathered by nothing. The frozen weights count in the rollout phase
+only, the gradients outside it. These are estimates:
 XLA's temporaries and fragmentation come on top, so leave headroom.
 
 ``--compiled`` also lowers and compiles the real programs at these shapes on the mesh (fake CPU
@@ -67,7 +70,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from qarl_jax import quant, sharding
+from qarl_jax import sharding
 from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
 from qarl_jax.errors import PlanError
@@ -75,11 +78,14 @@ from qarl_jax.models import KVCache, Qwen3Config, Qwen3ForCausalLM, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
-from qarl_jax.rollout import EngineConfig
+from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
+# devices a host: the rollout engine's (per host) mesh in a multi-host slice; a TPU VM of a pod
+# slice holds 4 chips, a GPU host 8
+HOST_DEVICES = {"v4": 4, "v5e": 4, "v5p": 4, "v6e": 4, "a100": 8, "h100": 8, "h200": 8}
 PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cache")
 PHASES = ("rollout", "scoring", "update")
 
@@ -191,10 +197,17 @@ def _batch_sizes(config: Config, ways: int) -> dict[str, int]:
 
 
 def plan(
-    config: Config, devices: int | None = None, *, preset_name: str | None = None, hbm_gb: float | None = None
+    config: Config,
+    devices: int | None = None,
+    *,
+    preset_name: str | None = None,
+    hbm_gb: float | None = None,
+    per_host: int | None = None,
 ) -> dict[str, Any]:
     """Per-device memory plan of ``config`` on ``devices`` (default: the mesh's stated size, which
-    must then have no -1 axis). Bytes are per device; see the module doc for what each entry holds."""
+    must then have no -1 axis), ``per_host`` of them on each host (default and at most: all; the engine
+    runs per host, on ``rollout.mesh`` over them, with ``rollout.slots`` slots). Bytes are per
+    device; see the module doc for what each entry holds."""
     m = config.mesh
     if devices is None:
         if -1 in (m.data, m.fsdp, m.tensor, m.expert):
@@ -205,43 +218,56 @@ def plan(
     except ValueError as e:
         raise PlanError(str(e)) from e
     c, source = architecture(config, preset_name)
+    per_host = devices if per_host is None else min(per_host, devices)
+    if per_host < 1 or devices % per_host:
+        raise PlanError(f"{per_host} devices a host do not divide the {devices} devices")
+    try:
+        engine_mesh = layout.check_layout(config.rollout.mesh, c, per_host)
+    except ConfigError as e:
+        raise PlanError(str(e)) from e
     model = Qwen3ForCausalLM(c)  # the parameter tree does not depend on the quant spec
     params, specs = _param_specs(model, mesh, m.rules)
-    frozen = jax.eval_shape(lambda p: quant.quantize_params(p, config.quant), params)
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, config.quant, model), params)
+    _, engine_specs = _param_specs(model, engine_mesh, layout.ENGINE_RULES)
     opt_state = jax.eval_shape(make_optimizer(config.optimizer).init, params)
     ways = sharding.batch_ways(mesh, m.rules)
 
     r, cb, pb = config.rollout, jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
-    kv_spec = nn.logical_to_mesh_axes(KVCache.logical_axes, m.rules)
+    kv_spec = nn.logical_to_mesh_axes(KVCache.logical_axes, layout.ENGINE_RULES)
     assert kv_spec is not None  # logical names given: a PartitionSpec comes back
     kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.num_key_value_heads, c.head_dim)
     notes = [
         f"KV cache: {d} does not split over {ax!r}: replicated"
         for d, ax in zip(kv_shape, kv_spec, strict=True)
-        if d % sharding.axis_ways(ax, mesh)
+        if d % sharding.axis_ways(ax, engine_mesh)
     ]
     param_bytes = _tree_bytes(params, specs, mesh)
     persistent = dict(
         params=param_bytes,
         reference=param_bytes if config.objective.kl_coef else 0,  # frozen initial policy for the KL term
-        frozen=_tree_bytes(frozen, specs, mesh),
+        frozen=_tree_bytes(frozen, engine_specs, engine_mesh),
         optimizer=_tree_bytes(opt_state, specs, mesh),
         gradients=2 * param_bytes,
-        kv_cache=2 * _shard_bytes(kv_shape, c.dtype, kv_spec, mesh),
+        kv_cache=2 * _shard_bytes(kv_shape, c.dtype, kv_spec, engine_mesh),
     )
+    frozen_training_layout = _tree_bytes(frozen, specs, mesh)
 
     layers = [_layer_activations(c, i) for i in range(c.num_hidden_layers)]
     a = max(layers)
     groups: collections.Counter[str] = collections.Counter()  # top-level modules: layers_i, lm_head, ...
+    expert_ways = mesh["expert"] if c.is_moe and c.num_experts % mesh["expert"] == 0 else 1
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        top = _names(path)[0]  # a scanned run's stack is gathered one layer at a time
-        groups[top] += leaf.size * pb // (leaf.shape[0] if top.startswith("stack_") else 1)
+        names = _names(path)
+        top = names[0]  # a scanned run's stack is gathered one layer at a time
+        size = leaf.size * pb // (leaf.shape[0] if top.startswith("stack_") else 1)
+        groups[top] += size // (expert_ways if "experts" in names else 1)  # expert parallel: a share
     gathered = max(groups.values())
     engine = EngineConfig(slots=r.slots, max_len=r.max_len)
     prompt = bucket(config.data.max_prompt_tokens, engine.length_buckets)
     prefill_rows = engine.max_prefill_batch  # replicated by per_device unless it splits
-    if prefill_rows % ways == 0:
-        prefill_rows //= ways
+    engine_ways = sharding.batch_ways(engine_mesh, layout.ENGINE_RULES)
+    if prefill_rows % engine_ways == 0:
+        prefill_rows //= engine_ways
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * cb
     rows = _batch_sizes(config, ways)
     saved = c.num_hidden_layers * c.hidden_size + 2 * a if config.train.remat else sum(layers) + a
@@ -250,18 +276,26 @@ def plan(
         return rows * head_chunk_tokens(rows, r.max_len, c.vocab_size) * c.vocab_size * (cb + 4)
 
     phases = dict(
-        rollout=prefill_rows * prompt * (a * cb + c.vocab_size * cb + kv_token) + gathered,
+        rollout=prefill_rows * prompt * (a * cb + c.vocab_size * cb + kv_token),  # weights in place
         scoring=rows["scoring"] * r.max_len * a * cb + logits(rows["scoring"]) + gathered,
         update=rows["micro"] * r.max_len * saved * cb + logits(rows["micro"]) + 2 * gathered,
     )
-    peak = max(PHASES, key=lambda name: phases[name])
-    total = sum(persistent.values()) + phases[peak]
+    # the engine's frozen weights live through the rollout only (the loop frees them for the update
+    # and moves new ones in after it); the rest persists
+    # and the gradients are the update's (the old log-probs run beside the optimizer state only)
+    resident = {k: sum(persistent.values()) - persistent["frozen"] for k in PHASES}
+    resident["rollout"] += persistent["frozen"] - persistent["gradients"]
+    peak = max(PHASES, key=lambda name: resident[name] + phases[name])
+    total = resident[peak] + phases[peak]
     hbm = None if hbm_gb is None else hbm_gb * GB
     return dict(
         architecture=source,
         param_count=sum(x.size for x in jax.tree.leaves(params)),
         devices=devices,
+        per_host=per_host,
+        frozen_training_layout=frozen_training_layout,
         mesh=mesh,
+        engine_mesh=engine_mesh,
         batch_ways=ways,
         rows=dict(rows, prefill=prefill_rows, prefill_tokens=prompt),
         bytes=persistent | phases,
@@ -292,19 +326,22 @@ def compiled_plan(config: Config, p: dict[str, Any], preset_name: str | None = N
         model, config.objective, config.train, config.optimizer, n, r.max_len, mesh, rules
     )
     engine = EngineConfig(slots=r.slots, max_len=r.max_len)
+    engine_mesh = layout.engine_mesh(config.rollout.mesh, jax.devices()[: p["per_host"]])
     decode, kv_bytes = compiled_memory.engine_programs(
-        model, config.quant, engine, config.data.max_prompt_tokens, mesh, rules
+        model, config.quant, engine, config.data.max_prompt_tokens, engine_mesh
     )
     b = p["bytes"]
     state = b["params"] + b["reference"] + b["optimizer"]
-    beside = dict(
-        old_logprobs=b["optimizer"] + b["frozen"] + kv_bytes,
-        update=b["frozen"] + kv_bytes,
+    beside = dict(  # the frozen weights are freed for the update (old log-probs included)
+        old_logprobs=b["optimizer"] + kv_bytes,
+        update=kv_bytes,
         prefill=state + kv_bytes,
         decode_step=state,
     )
     programs += decode
     run = {x.name: x.peak + beside[x.name] for x in programs}
+    # the move after the update: the new frozen weights on the training layout and on the engine's
+    run["weight_sync"] = state + kv_bytes + p["frozen_training_layout"] + b["frozen"]
     peak = max(run, key=lambda name: run[name])
     hbm = p["hbm_bytes"]
     return dict(
@@ -329,6 +366,10 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
         vals = (x.argument, x.output, x.alias, x.temp, x.peak, cp["run"][x.name], x.collective)
         lines.append(f"  {x.name:<14}" + "".join(f"{v / GB:>8.2f}" for v in vals) + f"{x.compile_s:>11.1f}")
     lines.append(f"  engine KV cache {cp['kv_cache'] / GB:.2f} GB per device")
+    lines.append(
+        f"  weight sync {cp['run']['weight_sync'] / GB:.2f} GB: the train state, the KV cache and the new"
+        " frozen weights on the training layout and on the engine's"
+    )
     total = (
         f"  compiled total {cp['total_bytes'] / GB:.2f} GB at {cp['peak_program']} "
         f"(estimate {p['total_bytes'] / GB:.2f} GB at {p['peak_phase']})"
@@ -357,6 +398,7 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
     return dict(
         programs=programs,
         kv_cache_bytes=cp["kv_cache"],
+        weight_sync_bytes=cp["run"]["weight_sync"],
         peak_program=cp["peak_program"],
         total_bytes=cp["total_bytes"],
         hbm_bytes=p["hbm_bytes"],
@@ -375,7 +417,9 @@ def format_plan(p: dict[str, Any], config: Config) -> str:
         reference="initial policy (objective.kl_coef > 0)"
         if config.objective.kl_coef
         else "none (kl_coef = 0)",
-        frozen=f"{config.quant.fmt} rollout weights",
+        frozen=f"{config.quant.fmt} rollout weights on rollout.mesh "
+        + " ".join(f"{a}={p['engine_mesh'][a]}" for a in ("data", "tensor", "expert"))
+        + f" ({p['per_host']} devices a host); rollout only",
         optimizer=config.optimizer.name,
         gradients=f"2 x {m.param_dtype}",
         kv_cache=f"{r.slots} slots x {r.max_len} tokens, {m.compute_dtype}",
@@ -394,7 +438,8 @@ def format_plan(p: dict[str, Any], config: Config) -> str:
     for k in PHASES:
         mark = "  <- peak" if k == p["peak_phase"] else ""
         lines.append(f"  phase {k:<12}{b[k] / GB:>8.2f}  {how[k]}{mark}")
-    total = f"  {'total':<18}{p['total_bytes'] / GB:>8.2f}  persistent + {p['peak_phase']}"
+    less = "gradients" if p["peak_phase"] == "rollout" else "frozen weights (freed for the update)"
+    total = f"  {'total':<18}{p['total_bytes'] / GB:>8.2f}  persistent less the {less} + {p['peak_phase']}"
     if p["hbm_bytes"] is not None:
         verdict = "fits" if p["fits"] else "DOES NOT FIT"
         total += f"; {p['total_bytes'] / p['hbm_bytes']:.0%} of {p['hbm_bytes'] / GB:g} GB HBM: {verdict}"
@@ -427,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platform", choices=sorted(HBM_GB), help="sets --hbm-gb to the chip's HBM")
     parser.add_argument("--hbm-gb", type=float, help="HBM per device in GB (1e9 bytes)")
     parser.add_argument(
+        "--per-host",
+        type=int,
+        help="devices a host: the rollout engine's mesh (default: --platform's host, else all devices)",
+    )
+    parser.add_argument(
         "--compiled", action="store_true", help="also compile the real programs and print XLA's memory"
     )
     parser.add_argument("--json", help="with --compiled: also write the compiled plan here as JSON")
@@ -435,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
     try:
         config = load_config(args.config, args.overrides)
-        p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm)
+        per_host = args.per_host or HOST_DEVICES.get(args.platform or "")
+        p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host)
         if args.compiled and argv is None and jax.device_count() < p["devices"]:
             _exec_with_fake_devices(p["devices"])
         print(format_plan(p, config), flush=True)

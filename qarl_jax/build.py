@@ -33,9 +33,12 @@ def model_dir(path: str) -> pathlib.Path:
 
 
 def architecture(config: Config) -> Qwen3Config:
-    """The policy's architecture: the preset's, or the checkpoint's config.json (no weights read)."""
+    """The policy's architecture: the preset's, or the checkpoint's config.json (no weights read),
+    computing in the column blocks a tensor-parallel rollout of ``rollout.mesh.tensor`` needs."""
     m = config.model
-    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+    layout = dict(
+        scan_layers=m.scan_layers, remat_policy=m.remat_policy, tensor_blocks=config.rollout.mesh.tensor
+    )
     if m.path is None:
         depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
         return preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth, **layout)
@@ -49,7 +52,9 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     if m.path is None:
         return model, init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
     path = model_dir(m.path)
-    layout = dict(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+    layout = dict(
+        scan_layers=m.scan_layers, remat_policy=m.remat_policy, tensor_blocks=config.rollout.mesh.tensor
+    )
     shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
     _, params, _ = from_pretrained(
         path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout

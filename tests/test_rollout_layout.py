@@ -37,11 +37,11 @@ def test_a_layout_that_does_not_divide_is_one_line_naming_the_key(mesh, model, m
     assert "\n" not in str(e.value)
 
 
-def test_experts_that_do_not_divide_and_tensor_name_their_numbers():
+def test_experts_that_do_not_divide_name_their_numbers():
     with pytest.raises(ConfigError, match=r"rollout.mesh.expert=16 does not divide the model's 8 experts"):
         layout.check_layout(layout.RolloutMesh(data=1, expert=16), MOE, 16)
-    with pytest.raises(ConfigError, match=r"rollout.mesh: tensor=2: the engine has no tensor-parallel path"):
-        load_config(None, ["rollout.mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=r"rollout.mesh: tensor must be stated"):
+        load_config(None, ["rollout.mesh.tensor=-1", "rollout.mesh.data=1"])
     assert layout.check_layout(layout.RolloutMesh(), MOE, 8) == dict(data=8, fsdp=1, tensor=1, expert=1)
 
 

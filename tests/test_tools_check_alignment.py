@@ -57,11 +57,12 @@ def test_naive_mode_mismatches(capsys):
     assert report["kl_k3"] > 0.0 and report["seq_ratio_quantiles"]["p0"] != 1.0
 
 
-def test_moe_expert_parallel_rollout_bitwise_same_routing_padded_batches(capsys):
-    """The engine on its expert-parallel layout (each device owns 2 of the 8 experts, slots over
-    data x expert), the trainer on FSDP: bitwise, every token routed the same."""
-    moe = ("model.path=null", "model.preset=qwen3-moe-tiny")  # the default policy is a dense checkpoint
-    layout = ("rollout.mesh.data=2", "rollout.mesh.expert=4")
+def test_moe_tensor_and_expert_parallel_rollout_bitwise_same_routing_padded_batches(capsys):
+    """The engine on tensor 2 x expert 2 x data 2 (every projection's columns and the heads split
+    2 ways, each device owning 4 of the 8 experts), the trainer on FSDP in the engine's column
+    blocks: bitwise, every token routed the same (bf16 compute: what tensor parallel needs)."""
+    moe = ("model.path=null", "model.preset=qwen3-moe-tiny", "model.compute_dtype=bfloat16")
+    layout = ("rollout.mesh.data=2", "rollout.mesh.tensor=2", "rollout.mesh.expert=2")
     report = check(capsys, *moe, "mesh.data=2", "mesh.fsdp=4", *layout, "alignment.packing=false")
     assert_bitwise(report)
     assert report["frac_same_experts"] == 1.0

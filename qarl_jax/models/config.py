@@ -88,6 +88,10 @@ class Qwen3Config:
     # backward pass: "full" nothing, "save_dots" the matmul outputs, "none" everything (no remat)
     scan_layers: bool = False
     remat_policy: str = "full"
+    # column blocks every projection computes in (q/k/v/o, gate/up/down, lm_head; k and v in at most
+    # num_key_value_heads): each block is its own kernel call on a [K, N / blocks] slice, so a
+    # tensor-parallel engine of this degree, whose device holds one block, computes the same bits
+    tensor_blocks: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
@@ -108,6 +112,14 @@ class Qwen3Config:
             )
         for name in ("param_dtype", "dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
+        if self.tensor_blocks < 1:
+            raise ValueError(f"Qwen3Config.tensor_blocks must be >= 1, got {self.tensor_blocks}")
+
+    def column_blocks(self, projection: str) -> int:
+        """The column blocks of ``projection`` (k_proj and v_proj: never narrower than a head)."""
+        if projection in ("k_proj", "v_proj"):
+            return min(self.tensor_blocks, self.num_key_value_heads)
+        return self.tensor_blocks
 
     @property
     def is_moe(self) -> bool:

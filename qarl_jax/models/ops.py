@@ -9,11 +9,14 @@ A layer's per-token chains (norms, projections, RoPE, residuals) run as one such
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import fused_rows, rowwise
@@ -26,15 +29,21 @@ MATMUL_OUTPUT = "matmul_output"  # checkpoint name of every projection's output 
 
 
 def per_device(
-    fn: Callable[..., R], *args, batched: tuple[bool, ...], specs: tuple[P | None, ...] | None = None
+    fn: Callable[..., R],
+    *args,
+    batched: tuple[bool, ...],
+    specs: tuple[P | None, ...] | None = None,
+    out_specs: P | tuple[P, ...] | None = None,
 ) -> R:
     """``fn(*args)`` with each device running it on its own batch rows (leading axis of the
     ``batched`` args and of the result) under the active mesh and the logical "batch" rule; other
-    args are gathered whole, or split as ``specs`` says (a PartitionSpec per non-batched arg, None
-    for batched ones: e.g. the experts over the expert axis). Why: under plain jit the SPMD
-    partitioner splits a kernel's row-block loop its own way (measured: FSDP layouts changed the
-    bits); inside ``shard_map`` every device runs the single-device program. Rows are replicated
-    when the batch does not divide."""
+    args are gathered whole. ``specs`` (one per arg, None: that default) splits more: for a
+    non-batched arg its whole PartitionSpec (e.g. the experts over the expert axis), for a batched
+    one the dims after the rows (e.g. heads over the tensor axis); ``out_specs`` likewise the dims
+    after the rows of each output (a tuple of outputs). Why: under plain jit the SPMD partitioner
+    splits a kernel's row-block loop its own way (measured: FSDP layouts changed the bits); inside
+    ``shard_map`` every device runs the single-device program. Rows are replicated when the batch
+    does not divide."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or mesh.manual_axes:  # no mesh, or already per device
         return fn(*args)
@@ -49,14 +58,53 @@ def per_device(
 
         kept = None if specs is None else tuple(specs[i] for i in present)
         return per_device(
-            with_nones, *(args[i] for i in present), batched=tuple(batched[i] for i in present), specs=kept
+            with_nones,
+            *(args[i] for i in present),
+            batched=tuple(batched[i] for i in present),
+            specs=kept,
+            out_specs=out_specs,
         )
     names = sharding.batch_axes()
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
-    spec = P(names) if names and rows % sharding.axis_ways(names, mesh) == 0 else P()
+    lead = names if names and rows % sharding.axis_ways(names, mesh) == 0 else None
     given = specs or (None,) * len(args)
-    in_specs = tuple(spec if b else (s or P()) for b, s in zip(batched, given, strict=True))
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+    in_specs = tuple(P(lead, *(s or ())) if b else (s or P()) for b, s in zip(batched, given, strict=True))
+    if out_specs is None:
+        out = P(lead)
+    elif isinstance(out_specs, P):  # one output
+        out = P(lead, *out_specs)
+    else:
+        out = tuple(P(lead, *o) for o in out_specs)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The rollout engine's tensor-parallel axis: every projection's columns (in the model's
+    ``tensor_blocks``) and the attention heads split over ``axis`` of ``size`` devices; what a
+    device computes is gathered (exact concatenation, no float sum) where a whole row is needed."""
+
+    axis: str
+    size: int
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """The whole last axis of ``x`` (inside ``per_device``: this device's columns, in order)."""
+        return lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+
+
+def tensor_parallel() -> TensorParallel | None:
+    """The active tensor-parallel axis: the mesh axis the logical rules map "tensor_parallel" to,
+    when it spans more than one device. Only the rollout engine's rules name it: the training
+    forward keeps whole weights per device (``per_device`` gathers them) and computes the same
+    column blocks one after another."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return None
+    spec = nn.logical_to_mesh_axes(("tensor_parallel",))
+    axes = sharding.mesh_axis_names(spec[0] if spec is not None else None)
+    if len(axes) != 1 or mesh.shape[axes[0]] == 1:
+        return None
+    return TensorParallel(axes[0], mesh.shape[axes[0]])
 
 
 def fused_tokens(
@@ -67,11 +115,16 @@ def fused_tokens(
     block_rows: int,
     prepare: Callable | None = None,
     name: str = "fused_tokens",
+    row_specs: tuple[P | None, ...] | None = None,
+    weight_specs=None,
+    out_specs: tuple[P, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """``fn(*token_blocks, weights)`` over the tokens of ``rows`` [B, T, ...] as one row-block
     program (:func:`kernels_pallas.fused_rows`), per device; outputs [B, T, ...]. For the per-token
     chains of a layer (norms, projections, RoPE, residuals): one loop instead of one per kernel,
-    every token's bits still independent of the batch. ``name`` scopes its ops (profiles, HLO)."""
+    every token's bits still independent of the batch. ``name`` scopes its ops (profiles, HLO).
+    ``row_specs`` / ``weight_specs`` / ``out_specs``: the splits beyond the rows (see
+    :func:`per_device`; tensor parallel: heads and columns over the tensor axis)."""
 
     def run(*args):
         *xs, w = args
@@ -80,8 +133,11 @@ def fused_tokens(
         outs = fused_rows(fn, flat, w, block_rows=block_rows, prepare=prepare)
         return tuple(o.reshape(b, t, *o.shape[1:]) for o in outs)
 
+    specs = (*(row_specs or (None,) * len(rows)), weight_specs)
     with jax.named_scope(name):
-        return per_device(run, *rows, weights, batched=(*(True,) * len(rows), False))
+        return per_device(
+            run, *rows, weights, batched=(*(True,) * len(rows), False), specs=specs, out_specs=out_specs
+        )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -89,11 +145,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return per_device(lambda x, w: rowwise.rms_norm(x, w, eps), x, weight, batched=(True, False))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visibility: Visibility) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visibility: Visibility, tp: TensorParallel | None = None
+) -> jax.Array:
     """Causal grouped-query attention. q [B,T,H,D], k/v [B,S,KV,D]; query (b, t) sees the keys at
     indices starts[b, t] + 0..positions[b, t] (starts None: 0, the KV cache) of its own segment
-    (segment ids [B, T] / [B, S]: a packed row, S == T, passes its segment_ids as both)."""
-    return per_device(invariant_attention, q, k, v, *visibility, batched=(True,) * (3 + len(visibility)))
+    (segment ids [B, T] / [B, S]: a packed row, S == T, passes its segment_ids as both). ``tp``:
+    the heads split over its axis (each device its q heads and their kv heads)."""
+    batched = (True,) * (3 + len(visibility))
+    if tp is None:
+        return per_device(invariant_attention, q, k, v, *visibility, batched=batched)
+    heads = P(None, tp.axis, None)
+    specs = (heads, heads, heads, *(None,) * len(visibility))
+    return per_device(
+        invariant_attention, q, k, v, *visibility, batched=batched, specs=specs, out_specs=heads
+    )
 
 
 def softmax(logits: jax.Array) -> jax.Array:

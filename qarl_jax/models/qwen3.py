@@ -21,6 +21,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -81,12 +82,21 @@ class Dense(nn.Module):
             self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype)
         )
         spec, kind = self.quant, self.kind
-        y = ops.per_device(
-            lambda x, w: quant.dot(x, w, spec, kind),
-            x.astype(self.config.dtype),
-            kernel,
-            batched=(True, False),
-        )
+        blocks, tp = self.config.tensor_blocks, ops.tensor_parallel()
+        x = x.astype(self.config.dtype)
+        if tp is None:
+            y = ops.per_device(
+                lambda x, w: quant.dot(x, w, spec, kind, blocks), x, kernel, batched=(True, False)
+            )
+        else:  # this device's columns (blocks / tp.size of them); the caller's jit gathers them
+            y = ops.per_device(
+                lambda x, w: quant.dot(x, w, spec, kind, blocks // tp.size),
+                x,
+                kernel,
+                batched=(True, False),
+                specs=(None, P(None, tp.axis)),
+                out_specs=P(*(None,) * (x.ndim - 2), tp.axis),
+            )
         return checkpoint_name(y, MATMUL_OUTPUT)
 
 
@@ -164,40 +174,87 @@ def fused_block_rows(c: Qwen3Config) -> int:
     return fused.default_block_rows(widest)
 
 
-def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None, name: str):
+def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None, name: str, **specs):
     """``fn`` over the tokens of ``rows`` as one block program; master weights are quantized once,
-    before the loop (the frozen ones pass as they are)."""
+    before the loop (the frozen ones pass as they are). ``specs``: ``ops.fused_tokens``' splits."""
     prepare = None if spec is None else (lambda w: quant.quantize_params(w, spec))
-    return ops.fused_tokens(fn, rows, weights, block_rows=fused_block_rows(c), prepare=prepare, name=name)
+    return ops.fused_tokens(
+        fn, rows, weights, block_rows=fused_block_rows(c), prepare=prepare, name=name, **specs
+    )
 
 
-def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None):
+def _column_specs(weights, tp: ops.TensorParallel | None) -> dict | None:
+    """Per-device splits of a fused chain's weights: every projection kernel (float or frozen: values
+    and scales alike) by columns over the tensor axis, norm scales whole. None without ``tp``."""
+    if tp is None:
+        return None
+    return {
+        k: (P(None, tp.axis) if k == "kernel" else _column_specs(v, tp) if isinstance(v, dict) else P())
+        for k, v in weights.items()
+    }
+
+
+def _dot(h, w, c: Qwen3Config, spec, kind: str, name: str, tp: ops.TensorParallel | None):
+    """A chain's projection ``name`` in its column blocks (a tensor-parallel device: its share)."""
+    blocks = c.column_blocks(name)
+    return quant.dot(h, w, spec, kind, blocks if tp is None else blocks // tp.size)
+
+
+def _heads(h, w, norm, positions, c: Qwen3Config, spec, name: str, tp: ops.TensorParallel | None):
+    """q or k [N, heads, D]: the projection ``name``, its per-head RMSNorm and RoPE. In column blocks
+    (``tensor_blocks`` > 1) each block's heads run the three steps as one program of its own: a
+    norm's reduction over more heads at once may sum in another order, so a device holding one
+    block computes what the whole projection computes there."""
+    n, d, eps = h.shape[0], c.head_dim, c.rms_norm_eps
+
+    def block(x, wb):
+        y = quant.dot(x, wb, spec, "attention").reshape(n, -1, d)
+        return rowwise.rope(rowwise.rms_norm(y, norm, eps), positions, c.rope_theta)
+
+    blocks = c.column_blocks(name) // (1 if tp is None else tp.size)
+    if blocks == 1:
+        return block(h, w)
+    width = (w.n if isinstance(w, quant.QuantizedWeight) else w.shape[-1]) // blocks
+    slices = [lax.optimization_barrier((h, quant.column_slice(w, i * width, width))) for i in range(blocks)]
+    return jnp.concatenate([block(*pair) for pair in slices], axis=1)
+
+
+def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None, tp=None):
     """Per token: input RMSNorm, q/k/v projections, q/k RMSNorms, RoPE. x [N, H], positions [N]
-    -> q [N, heads, D], k, v [N, kv_heads, D]."""
+    -> q [N, heads, D], k, v [N, kv_heads, D] (``tp``: this device's heads)."""
     n, d = x.shape[0], c.head_dim
     eps, a = c.rms_norm_eps, w["self_attn"]
     h = rowwise.rms_norm(x, w["input_layernorm"]["scale"], eps).astype(c.dtype)
-    proj = lambda name, heads: quant.dot(h, a[name]["kernel"], spec, "attention").reshape(n, heads, d)
-    q = proj("q_proj", c.num_attention_heads)
-    k = proj("k_proj", c.num_key_value_heads)
-    v = proj("v_proj", c.num_key_value_heads)
-    q = rowwise.rope(rowwise.rms_norm(q, a["q_norm"]["scale"], eps), positions, c.rope_theta)
-    k = rowwise.rope(rowwise.rms_norm(k, a["k_norm"]["scale"], eps), positions, c.rope_theta)
+    if spec is None or c.tensor_blocks == 1:  # one block: the projection, then norm and RoPE
+        proj = lambda name: quant.dot(h, a[name]["kernel"], spec, "attention").reshape(n, -1, d)  # noqa: E731
+        q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
+        q = rowwise.rope(rowwise.rms_norm(q, a["q_norm"]["scale"], eps), positions, c.rope_theta)
+        k = rowwise.rope(rowwise.rms_norm(k, a["k_norm"]["scale"], eps), positions, c.rope_theta)
+        return q, k, v
+    q = _heads(h, a["q_proj"]["kernel"], a["q_norm"]["scale"], positions, c, spec, "q_proj", tp)
+    k = _heads(h, a["k_proj"]["kernel"], a["k_norm"]["scale"], positions, c, spec, "k_proj", tp)
+    v = _dot(h, a["v_proj"]["kernel"], c, spec, "attention", "v_proj", tp).reshape(n, -1, d)
     return q, k, v
 
 
-def _post_attention(attn, x, w, c: Qwen3Config, spec: quant.QuantSpec | None, dense_mlp: bool):
+def _post_attention(attn, x, w, c: Qwen3Config, spec: quant.QuantSpec | None, dense_mlp: bool, tp=None):
     """Per token: output projection and residual, post-attention RMSNorm and, for a dense layer,
-    the MLP and its residual. attn [N, heads * D], x [N, H] -> (x', ) dense, (x', normed x') MoE."""
-    o = quant.dot(attn.astype(c.dtype), w["self_attn"]["o_proj"]["kernel"], spec, "attention")
-    x = x + o
+    the MLP and its residual. attn [N, heads * D], x [N, H] -> (x', ) dense, (x', normed x') MoE.
+    ``tp``: attn holds this device's heads and every projection its columns; each product is
+    gathered whole (concatenated in device order) before the next step needs a whole row."""
+    whole = (lambda y: y) if tp is None else tp.gather
+    o = _dot(
+        whole(attn.astype(c.dtype)), w["self_attn"]["o_proj"]["kernel"], c, spec, "attention", "o_proj", tp
+    )
+    x = x + whole(o)
     h = rowwise.rms_norm(x, w["post_attention_layernorm"]["scale"], c.rms_norm_eps)
     if not dense_mlp:
         return x, h
     m, hc = w["mlp"], h.astype(c.dtype)
-    gate = quant.dot(hc, m["gate_proj"]["kernel"], spec, "mlp")
-    up = quant.dot(hc, m["up_proj"]["kernel"], spec, "mlp")
-    return (x + quant.dot((nn.silu(gate) * up).astype(c.dtype), m["down_proj"]["kernel"], spec, "mlp"),)
+    gate = _dot(hc, m["gate_proj"]["kernel"], c, spec, "mlp", "gate_proj", tp)
+    up = _dot(hc, m["up_proj"]["kernel"], c, spec, "mlp", "up_proj", tp)
+    act = whole((nn.silu(gate) * up).astype(c.dtype))
+    return (x + whole(_dot(act, m["down_proj"]["kernel"], c, spec, "mlp", "down_proj", tp)),)
 
 
 class _Kernel(nn.Module):
@@ -286,15 +343,19 @@ class DecoderLayer(nn.Module):
         c = self.config
         b, t, _ = x.shape
         dense_mlp = not c.is_moe_layer(self.layer)
+        tp = ops.tensor_parallel()  # the rollout engine's tensor-parallel layout, else None
+        heads = None if tp is None else P(None, tp.axis, None)
         attn_w = AttentionWeights(c, name="self_attn")()
         pre = {"input_layernorm": _norm_weights(c, c.hidden_size, "input_layernorm"), "self_attn": attn_w}
         q, k, v = _fused(
-            lambda x, p, w: _pre_attention(x, p, w, c, self.quant),
+            lambda x, p, w: _pre_attention(x, p, w, c, self.quant, tp),
             (x, positions),
             pre,
             c,
             self.quant,
             "pre_attention",
+            weight_specs=_column_specs(pre, tp),
+            out_specs=None if tp is None else (heads, heads, heads),
         )
         q, k, v = (checkpoint_name(a, MATMUL_OUTPUT) for a in (q, k, v))
         if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
@@ -304,7 +365,7 @@ class DecoderLayer(nn.Module):
             cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
             k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
         visibility = Visibility(positions, starts, segment_ids, segment_ids)  # packed rows: S == T
-        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), visibility)
+        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), visibility, tp)
         out = nn.with_logical_constraint(out.reshape(b, t, -1), ("batch", "length", "act_heads"))
         post = {
             "self_attn": {"o_proj": attn_w["o_proj"]},
@@ -313,12 +374,14 @@ class DecoderLayer(nn.Module):
         if dense_mlp:
             post["mlp"] = MLPWeights(c, name="mlp")()
         outs = _fused(
-            lambda a, x, w: _post_attention(a, x, w, c, self.quant, dense_mlp),
+            lambda a, x, w: _post_attention(a, x, w, c, self.quant, dense_mlp, tp),
             (out, x),
             post,
             c,
             self.quant,
             "post_attention",
+            row_specs=None if tp is None else (P(None, tp.axis), None),
+            weight_specs=_column_specs(post, tp),
         )
         x = checkpoint_name(outs[0], MATMUL_OUTPUT)
         if not dense_mlp:
@@ -372,8 +435,9 @@ class Qwen3ForCausalLM(nn.Module):
         kernel's rows are independent), so a caller may run it over any split of the tokens."""
         if self.config.tie_word_embeddings:
             spec = self.quant
+            blocks = self.config.tensor_blocks  # the table stays whole: every device all blocks
             return ops.per_device(
-                lambda x, w: quant.dot(x, w.T, spec, "lm_head"),
+                lambda x, w: quant.dot(x, w.T, spec, "lm_head", blocks),
                 x,
                 self.embed_tokens.embedding,
                 batched=(True, False),

@@ -90,8 +90,25 @@ def _float_weight(w) -> jax.Array:
     return dequantize(w) if isinstance(w, QuantizedWeight) else w
 
 
-def dot(x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, kind: str) -> jax.Array:
-    """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight."""
+def dot(
+    x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, kind: str, blocks: int = 1
+) -> jax.Array:
+    """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight.
+    ``blocks`` > 1: the N columns as that many equal blocks, each its own kernel call on its slice of
+    w, concatenated (what a tensor-parallel device holding one block computes; quantization scales
+    are per column, so slicing commutes with it). Ignored by the plain XLA path (``spec`` None)."""
+    if blocks > 1 and spec is not None:
+        n = _columns(w)
+        if n % blocks:
+            raise ValueError(f"{kind} weight of {n} columns does not split into {blocks} blocks")
+        width = n // blocks
+        # each block its own dot on its own materialised slice: a barrier per block keeps XLA from
+        # merging the dots back into one or reading the slice in place (either changes the bits)
+        parts = []
+        for i in range(blocks):
+            xi, wi = lax.optimization_barrier((x, column_slice(w, i * width, width)))
+            parts.append(dot(xi, wi, spec, kind))
+        return jnp.concatenate(parts, axis=-1)
     if spec is None:
         wf = _float_weight(w)
         ct = jnp.result_type(x.dtype, wf.dtype)
@@ -102,6 +119,18 @@ def dot(x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, ki
         _check_frozen(w, fmt, kind)
         return quantized_matmul(x, w)
     return quantized_matmul_ste(x, w, fmt, group_size, quantizer=_weight_quantizer(fmt))
+
+
+def _columns(w: jax.Array | QuantizedWeight) -> int:
+    return w.n if isinstance(w, QuantizedWeight) else w.shape[-1]
+
+
+def column_slice(w: jax.Array | QuantizedWeight, start: int, width: int):
+    """Columns [start, start + width) of a float kernel or a frozen weight (values and scales)."""
+    cut = lambda a: lax.slice_in_dim(a, start, start + width, axis=a.ndim - 1)  # noqa: E731
+    if isinstance(w, QuantizedWeight):
+        return jax.tree.map(cut, w)
+    return cut(w)
 
 
 def grouped_dot(
@@ -174,5 +203,6 @@ __all__ = [
     "dot",
     "grouped_dot",
     "kind_of",
+    "column_slice",
     "quantize_params",
 ]

@@ -209,12 +209,19 @@ class RolloutEngine:
         self.model, self.config, self.mesh, self.rules = model, config, mesh, rules
         self.hook = hook
         self._collected = None  # a traced forward's hook output, read back within the same trace
+        concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))  # else: structs to lower
         # the frozen weights' layout on the engine's mesh (rules' logical axes), moved there once
         # per update (see qarl_jax.rollout.layout); without a mesh they stay where they are
         shardings = None if mesh is None else layout.frozen_shardings(model, params, mesh, rules)
         self.sync = layout.WeightSync(shardings)
-        concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))  # else: structs to lower
-        self.params = self.sync(params, donate=False) if mesh is not None and concrete else params
+        if mesh is None:
+            self.params = params
+        elif concrete:
+            self.params = self.sync(params, donate=False)
+        else:  # structs placed as the engine would place arrays (for lowering its programs)
+            self.params = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+            )
         self._owns_params = False  # True after a donated update: release_params may free them
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self._eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)

@@ -9,7 +9,11 @@ devices (one rule for one process and many), ``rollout.mesh``:
 * ``expert``: the MoE experts split over it (each device owns E / expert of them); each token's
   routed rows travel to their owners and back inside the layer (:mod:`qarl_jax.models.expert_parallel`),
   every other weight is replicated, and the slots are split over ``data`` x ``expert``;
-* ``tensor``: reserved for tensor parallelism, which the engine does not run yet (must be 1).
+* ``tensor``: every projection's columns (q/k/v/o, gate/up/down, lm_head) and the attention heads
+  split over it; a device computes its columns and gathers the products where a whole row is next
+  needed (an all-gather is an exact concatenation: no float sum crosses devices). The training
+  forward computes the same column blocks one after another (``Qwen3Config.tensor_blocks``, set from
+  ``rollout.mesh.tensor``), each block its own kernel call, so every layout gives the same bits.
 
 The frozen tree is quantized on the training layout, then moved to the engine's layout in one
 resharding per step (:class:`WeightSync`): the old engine copy is dropped before, and the training
@@ -33,23 +37,26 @@ from kernels_pallas import QuantizedWeight
 from qarl_jax import sharding
 from qarl_jax.errors import ConfigError
 from qarl_jax.models.config import Qwen3Config
-from qarl_jax.quant import QuantSpec, quantize_params
+from qarl_jax.quant import QuantSpec, kind_of, quantize_params
 
-# The engine's logical rules: slots over data x expert; experts over expert; everything else whole.
+# The engine's logical rules: slots over data x expert; experts over expert; with a tensor axis,
+# the heads of the activations and of the KV cache over it (every projection's columns too, placed
+# by frozen_shardings); everything else whole.
 ENGINE_RULES: sharding.Rules = (
     ("batch", ("data", "expert")),
     ("length", None),
     ("act_embed", None),
-    ("act_heads", None),
+    ("act_heads", "tensor"),
     ("act_mlp", None),
     ("embed", None),
     ("vocab", None),
     ("q_heads", None),
-    ("kv_heads", None),
+    ("kv_heads", "tensor"),  # the KV cache's heads (the kernels are placed by frozen_shardings)
     ("mlp", None),
     ("experts", "expert"),
     ("expert_mlp", None),
     ("norm", None),
+    ("tensor_parallel", "tensor"),  # names the engine's tensor axis (qarl_jax.models.ops.tensor_parallel)
 )
 
 
@@ -66,9 +73,9 @@ class RolloutMesh:
         sizes = dataclasses.asdict(self)
         if any(v == 0 or v < -1 for v in sizes.values()) or list(sizes.values()).count(-1) > 1:
             raise ValueError(f"axes must be positive with at most one -1, got {sizes}")
-        if self.tensor != 1:
+        if self.tensor == -1:
             raise ValueError(
-                f"tensor={self.tensor}: the engine has no tensor-parallel path yet; use data and expert"
+                "tensor must be stated (the training forward computes in that many column blocks)"
             )
 
     def mesh_config(self) -> sharding.MeshConfig:
@@ -100,6 +107,26 @@ def check_layout(layout: RolloutMesh, model: Qwen3Config, num_devices: int) -> d
         raise ConfigError(
             f"rollout.mesh.expert={expert} does not divide the model's {model.num_experts} experts"
         )
+    tensor = sizes["tensor"]
+    if tensor > 1:
+        kv = model.num_key_value_heads
+        widths = {
+            "attention heads": model.num_attention_heads,
+            "hidden size": model.hidden_size,
+            "vocabulary": model.vocab_size,
+        }
+        if any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers)):
+            widths["intermediate size"] = model.intermediate_size
+        for what, n in widths.items():
+            if n % tensor:
+                raise ConfigError(f"rollout.mesh.tensor={tensor} does not divide the model's {n} {what}")
+        if kv % tensor:  # every device whole kv heads (repeating them changes the attention's sums)
+            raise ConfigError(f"rollout.mesh.tensor={tensor} does not divide the model's {kv} kv heads")
+        if model.dtype != "bfloat16":  # measured: f32 attention sums depend on the heads a device holds
+            raise ConfigError(
+                f"rollout.mesh.tensor={tensor} needs model.compute_dtype=bfloat16 (it is {model.dtype}): "
+                "the f32 attention kernel's sums change with the number of heads per device"
+            )
     return sizes
 
 
@@ -110,17 +137,26 @@ def frozen_shardings(model: nn.Module, frozen, mesh: Mesh, rules: sharding.Rules
     the mesh does not divide stays whole."""
     boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     logical = nn.get_partition_spec(boxed)
+    tensor = mesh.shape.get("tensor", 1)
+    by_columns = ("attention", "mlp", "lm_head")  # a tensor-parallel engine's column-split kinds
 
-    def place(axes: PartitionSpec, leaf):
+    def place(path, axes: PartitionSpec, leaf):
+        columns = tensor > 1 and kind_of(tuple(str(getattr(k, "key", k)) for k in path)) in by_columns
+
         def one(x):
             names = tuple(axes) + (None,) * (x.ndim - len(axes))
-            return NamedSharding(mesh, sharding.fitting_spec(x.shape, names, mesh, rules))
+            spec = sharding.fitting_spec(x.shape, names, mesh, rules)
+            if columns:  # every projection's columns over tensor (its rows stay whole)
+                spec = PartitionSpec(*(None,) * (x.ndim - 1), "tensor")
+            return NamedSharding(mesh, spec)
 
         if isinstance(leaf, QuantizedWeight):
             return jax.tree.map(one, leaf)
         return one(leaf)
 
-    return jax.tree.map(place, logical, frozen, is_leaf=lambda v: isinstance(v, PartitionSpec))
+    return jax.tree_util.tree_map_with_path(
+        place, logical, frozen, is_leaf=lambda v: isinstance(v, PartitionSpec)
+    )
 
 
 def freeze(params, spec: QuantSpec, model: nn.Module):

@@ -41,7 +41,7 @@ def _kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def collective_bytes_by_kind(hlo_text: str) -> dict[str, int]:
+def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) -> dict[str, int]:
     """{collective kind: result bytes per device per call of the program} of an optimized HLO
     module's text (``compiled.as_text()``); kinds absent from it are absent."""
     body: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
@@ -61,7 +61,8 @@ def collective_bytes_by_kind(hlo_text: str) -> dict[str, int]:
         raise ValueError("not an HLO module's text: no ENTRY computation")
     # how often each computation runs per call of the entry, callers before callees; a loop whose
     # trip count XLA does not know (the CPU row-block loops: theirs passes an optimization barrier)
-    # counts once, and a collective under one is an error rather than a wrong figure
+    # runs ``unknown_trips`` times, which the caller states (it knows its row blocks); without it a
+    # collective under such a loop is an error rather than a wrong figure
     runs: dict[str, int] = defaultdict(int)
     runs[entry] = 1
     unknown_trips: set[str] = set()
@@ -70,8 +71,8 @@ def collective_bytes_by_kind(hlo_text: str) -> dict[str, int]:
             times, unknown = runs[name], name in unknown_trips
             if opcode == "while":
                 trips = _TRIPS.search(rest)
-                times *= int(trips.group(1)) if trips else 1
-                unknown = unknown or trips is None
+                times *= int(trips.group(1)) if trips else (unknown_trips or 1)
+                unknown = unknown or (trips is None and unknown_trips is None)
             callees = _CALLEES.findall(rest)
             branches = _BRANCHES.search(rest)
             if branches:
@@ -92,6 +93,7 @@ def collective_bytes_by_kind(hlo_text: str) -> dict[str, int]:
     return dict(totals)
 
 
-def collective_bytes(hlo_text: str) -> int:
-    """Result bytes of all collectives one device runs per call (see the module doc)."""
-    return sum(collective_bytes_by_kind(hlo_text).values())
+def collective_bytes(hlo_text: str, unknown_trips: int | None = None) -> int:
+    """Result bytes of all collectives one device runs per call (see the module doc); a loop of
+    unknown trip count runs ``unknown_trips`` times (None: a collective under one is an error)."""
+    return sum(collective_bytes_by_kind(hlo_text, unknown_trips).values())

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.models.qwen3 import fused_block_rows
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rl.batch import RolloutBatch, training_batch
 from qarl_jax.rl.logprobs import policy_logprobs
@@ -61,8 +62,10 @@ class Compiled:
         return self.argument + self.output - self.alias + self.temp
 
 
-def compile_memory(name: str, lowered) -> Compiled:
-    """Compile ``lowered`` (a ``jax.stages.Lowered``) and read its memory analysis."""
+def compile_memory(name: str, lowered, row_blocks: int | None = None) -> Compiled:
+    """Compile ``lowered`` (a ``jax.stages.Lowered``) and read its memory analysis; ``row_blocks``:
+    the trip count of its CPU row-block loops, where collectives run (a tensor-parallel engine's
+    gathers), which XLA does not see (see :mod:`qarl_jax.tools.collectives`)."""
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
@@ -74,7 +77,7 @@ def compile_memory(name: str, lowered) -> Compiled:
         m.alias_size_in_bytes,
         m.temp_size_in_bytes,
         seconds,
-        collective_bytes(compiled.as_text()),
+        collective_bytes(compiled.as_text(), row_blocks),
     )
 
 
@@ -180,17 +183,26 @@ def engine_programs(
     engine's own layout ``mesh`` (:func:`qarl_jax.rollout.layout.engine_mesh`; None: one device)."""
     frozen = jax.eval_shape(lambda p: layout.freeze(p, spec, model), abstract_params(model, None, rules))
     with sharding.activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
-        if mesh is not None:
-            frozen = jax.tree.map(_with_sharding, frozen, layout.frozen_shardings(model, frozen, mesh, rules))
         engine = RolloutEngine(model, frozen, engine_config, mesh=mesh, rules=rules)
+        frozen = engine.params  # structs on the engine's layout
         state = _abstract_state(engine, mesh)
         rows = engine_config.max_prefill_batch
         t = min(b for b in engine_config.length_buckets if b >= prompt_tokens)
         tokens = jax.ShapeDtypeStruct((rows, t), jnp.int32)
         lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        ways = 1 if mesh is None else sharding.batch_ways(mesh, rules)
+        block = fused_block_rows(model.config)
+        per_device = lambda n: n // ways if n % ways == 0 else n  # noqa: E731  (rows replicated otherwise)
+        prefill_tokens = per_device(rows) * min(t, engine_config.prefill_chunk)
         programs = [
-            compile_memory("prefill", engine._prefill.lower(frozen, tokens, lengths)),
-            compile_memory("decode_step", engine._generate.lower(frozen, state)),
+            compile_memory(
+                "prefill", engine._prefill.lower(frozen, tokens, lengths), -(-prefill_tokens // block)
+            ),
+            compile_memory(
+                "decode_step",
+                engine._generate.lower(frozen, state),
+                -(-per_device(engine_config.slots) // block),
+            ),
         ]
     return programs, engine.kv_cache_bytes_per_device()
 

@@ -95,7 +95,9 @@ def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3C
     ``model.path`` exists here, else ``model.preset``, which must then be stated (not the default)."""
     m = config.model
     dtypes: dict[str, Any] = dict(param_dtype=m.param_dtype, dtype=m.compute_dtype)
-    dtypes.update(scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+    dtypes.update(
+        scan_layers=m.scan_layers, remat_policy=m.remat_policy, tensor_blocks=config.rollout.mesh.tensor
+    )
     try:
         if preset_name is not None:
             return preset(preset_name, **dtypes), f"preset {preset_name}"

@@ -1,0 +1,143 @@
+"""The tensor-parallel rollout engine's arithmetic on 8 fake CPU devices: a projection computed in
+column blocks on one device is bitwise the same projection split over 2 / 4 / 8 devices, per
+kernel backend (the GPU and TPU kernels in Pallas' interpreter); the engine's decode step gathers
+activations, never a weight; a tensor-parallel engine samples what one device samples; and layouts
+the arithmetic cannot keep bitwise are refused in one line."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels_pallas import FORMATS, quantize, quantized_matmul
+from qarl_jax import quant
+from qarl_jax.errors import ConfigError
+from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.quant import QuantSpec
+from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, layout, rollout
+from qarl_jax.tools import compiled_memory
+from qarl_jax.tools.collectives import collective_bytes_by_kind
+
+K, N = 256, 512
+
+
+def _split(x, w, t: int, **options):
+    """x @ w with w's columns over ``t`` devices, each device one block (the engine's layout)."""
+    mesh = jax.make_mesh((t,), ("tensor",), devices=jax.devices()[:t])
+    cols = NamedSharding(mesh, P(None, "tensor"))
+    local = jax.tree.map(lambda a: jax.device_put(a, cols), w)
+    fn = jax.shard_map(
+        lambda x, w: quantized_matmul(x, w, **options),
+        mesh=mesh,
+        in_specs=(P(), P(None, "tensor")),
+        out_specs=P(None, "tensor"),
+        check_vma=False,
+    )
+    return np.asarray(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P())), local))
+
+
+def _blocks(x, w, t: int, **options):
+    """The same product in ``t`` column blocks, each its own call, on whole weights per device (the
+    training forward: ``per_device`` runs it in a ``shard_map`` over the devices' rows)."""
+    width = w.n // t
+
+    def blocks(x, w):
+        parts = [quantized_matmul(x, quant.column_slice(w, i * width, width), **options) for i in range(t)]
+        return jnp.concatenate(parts, axis=-1)
+
+    mesh = jax.make_mesh((t,), ("data",), devices=jax.devices()[:t])
+    fn = jax.shard_map(blocks, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    return np.asarray(jax.jit(fn)(x, w))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_column_blocks_on_one_device_equal_the_split_over_2_4_8_devices_cpu(fmt):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((12, K)), jnp.bfloat16)
+    w = quantize(jnp.asarray(rng.standard_normal((K, N)), jnp.float32), fmt)
+    for t in (2, 4, 8):
+        np.testing.assert_array_equal(_split(x, w, t), _blocks(x, w, t), err_msg=f"{fmt} tensor={t}")
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("fmt", ["w4a16", "w8a8"])
+def test_column_blocks_equal_the_split_in_the_pallas_interpreter(backend, fmt):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, K)), jnp.bfloat16)
+    w = quantize(jnp.asarray(rng.standard_normal((K, N)), jnp.float32), fmt, 128 if fmt == "w4a16" else None)
+    options = dict(backend=backend, interpret=True)
+    np.testing.assert_array_equal(_split(x, w, 2, **options), _blocks(x, w, 2, **options))
+
+
+def test_quant_dot_blocks_are_the_per_block_calls():
+    """``quant.dot(..., blocks)`` on a frozen weight and on the float master (quantized on the fly,
+    per column slice) both give the per-block calls' bits: quantization scales are per column."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
+    master = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    spec = QuantSpec("w4a16")
+    frozen = quant.quantize_params({"q_proj": {"kernel": master}}, spec)["q_proj"]["kernel"]
+    want = _blocks(x, frozen, 4)
+    np.testing.assert_array_equal(np.asarray(quant.dot(x, frozen, spec, "attention", 4)), want)
+    np.testing.assert_array_equal(np.asarray(quant.dot(x, master, spec, "attention", 4)), want)
+
+
+BF16_MOE = preset("qwen3-moe-tiny", dtype="bfloat16")  # 4 heads, 2 kv heads, 8 experts
+
+
+def test_layouts_that_cannot_stay_bitwise_are_refused():
+    with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=4 does not divide the model's 2 kv heads"):
+        layout.check_layout(layout.RolloutMesh(data=2, tensor=4), BF16_MOE, 8)
+    with pytest.raises(ConfigError, match=r"needs model.compute_dtype=bfloat16 \(it is float32\)"):
+        layout.check_layout(layout.RolloutMesh(data=4, tensor=2), preset("qwen3-tiny"), 8)
+    with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=3 does not divide the model's 4 attention"):
+        layout.check_layout(layout.RolloutMesh(data=1, tensor=3), BF16_MOE, 3)
+
+
+def test_decode_step_gathers_activations_never_a_weight():
+    """The compiled tensor-parallel decode step (tensor 2 x data 4) all-gathers per layer only
+    [slots, width] activations: no all-gather's result has the shape of a whole projection weight,
+    and all of them together are a small fraction of one device's frozen weights."""
+    model = Qwen3ForCausalLM(preset("qwen3-small", dtype="bfloat16", tensor_blocks=2), QuantSpec("w4a16"))
+    mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
+    abstract = compiled_memory.abstract_params(model, None, None)
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(layout.ENGINE_RULES):
+        engine = RolloutEngine(
+            model, frozen, EngineConfig(slots=8, max_len=64), mesh=mesh, rules=layout.ENGINE_RULES
+        )
+        state = compiled_memory._abstract_state(engine, mesh)
+        text = engine._generate.lower(engine.params, state).compile().as_text()
+    weight_shapes = {tuple(x.shape) for x in jax.tree.leaves(frozen) if x.ndim == 2}
+    assert weight_shapes, "no 2-D weight: the test would prove nothing"
+    gathered = [line for line in text.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+    assert gathered, "a tensor-parallel decode step gathers its column products"
+    for line in gathered:  # activations (row blocks of column products, the new tokens' K/V): no weight
+        shape = tuple(int(d) for d in line.split("[", 1)[1].split("]", 1)[0].split(",") if d)
+        assert shape not in weight_shapes, line
+    frozen_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
+    moved = collective_bytes_by_kind(text, unknown_trips=1)  # 2 slots a device: one row block
+    assert 0 < moved["all-gather"] < frozen_bytes  # at these toy widths a block of activations is not small
+
+
+def test_tensor_parallel_engine_samples_what_one_device_samples():
+    """Whole samples (tokens, log-probs) of qwen3-moe-tiny in bf16 compute and w4a16: the engine on
+    tensor 2 x expert 2 x data 2 == the engine on one device."""
+    model = Qwen3ForCausalLM(BF16_MOE.replace(tensor_blocks=2), QuantSpec("w4a16"))
+    params = init_params(model, jax.random.key(0))
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 3, 12)]
+    config = EngineConfig(slots=8, max_len=32)
+
+    def samples(mesh):
+        frozen = layout.freeze(params, model.quant, model)
+        engine = RolloutEngine(model, frozen, config, mesh=mesh, rules=layout.ENGINE_RULES)
+        out = rollout(engine, prompts, 2, 10, SamplingParams(0.7), seed=3, progress=False)
+        return [(s.tokens, np.asarray(s.sampling_logprobs).tolist()) for g in out for s in g]
+
+    split = layout.engine_mesh(layout.RolloutMesh(data=2, tensor=2, expert=2), jax.devices()[:8])
+    assert samples(split) == samples(None)

@@ -2,6 +2,7 @@
 
     python benchmarks/device_check.py kernels   --out FILE [--small]
     python benchmarks/device_check.py alignment --out FILE [--small] [--budget-s S] [--cells M:F,...]
+    python benchmarks/device_check.py layouts   --out FILE [--small]
     python benchmarks/device_check.py summary   --dir OUT --mode gpu|cpu [--stages FILE]
 
 ``kernels``: the Pallas kernels' accuracy and row-wise batch invariance (``gpu_kernels_check``'s
@@ -10,6 +11,8 @@ parts, bf16 / w8a8 / w4a16, dense and grouped MoE), then AQT TRAIN == SERVE: the
 (float master weights, quantized on the fly under the STE) against the rollout's (weights frozen by
 ``quantize_params``) at another batch size, bitwise. ``alignment``: ``check_alignment`` on the tiny
 dense and MoE presets (random weights): every aligned cell, then naive ones while a budget lasts.
+``layouts`` (2+ devices): the tensor-parallel rollout against FSDP training, bitwise, and a decode
+step on the engine's replicated layout against one on the training layout.
 ``summary``: one line per GPU target (measured, target, met) from the stages' JSON files;
 it imports no JAX, so it runs whatever the stages left behind. Each stage rewrites its file after
 every part, so a stage killed at its time limit keeps what it finished.
@@ -34,6 +37,7 @@ FILES = {  # stage -> result file in $OUT, in the order the stages run
     "rollout": "c_rollout.json",
     "hf": "c_hf.json",
     "train_step": "c_train_step.json",
+    "layouts": "d_layouts.json",
 }
 PEAK_TBPS = 3.7  # H200 HBM bandwidth (TB/s), the base of the 60 % target
 ALIGN_SIZES = {  # check_alignment overrides: a short run (compile dominates on either backend)
@@ -217,6 +221,68 @@ def alignment(out: pathlib.Path, small: bool, budget_s: float, cells: list[tuple
     return 0
 
 
+def layouts(out: pathlib.Path, small: bool) -> int:
+    """Stage d, for 2+ devices: the rollout engine on its own layouts. Bitwise: check_alignment with
+    the engine tensor-parallel (tensor 2 x data n/2; qwen3-moe-tiny, bf16 compute, w4a16) against
+    the training forward on FSDP over every device. Speed: one decode step on the engine's replicated
+    layout against decoding on the training (FSDP) layout, which gathers every frozen weight."""
+    import jax
+
+    from qarl_jax import sharding
+    from qarl_jax.config import load_config
+    from qarl_jax.models import Qwen3ForCausalLM, init_sharded, preset
+    from qarl_jax.quant import QuantSpec
+    from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
+    from qarl_jax.tools import check_alignment
+
+    n = jax.device_count()
+    result: dict = {"backend": jax.default_backend(), "devices": n}
+    if n < 2 or n % 2:
+        _write(out, result | {"skipped": f"needs an even number (2+) of devices, {n} here"})
+        return 0
+    sizes = ALIGN_SIZES["cpu" if small or jax.default_backend() == "cpu" else "gpu"]
+    overrides = ["model.path=null", "model.preset=qwen3-moe-tiny", "model.compute_dtype=bfloat16"]
+    overrides += ["mesh.data=1", f"mesh.fsdp={n}", "rollout.mesh.tensor=2", f"rollout.mesh.data={n // 2}"]
+    try:
+        report = check_alignment.run(load_config(None, overrides + sizes), progress=False)
+        result["tensor2"] = {k: report[k] for k in ("n_tokens", "frac_bitwise_equal", "frac_same_experts")}
+    except Exception as err:  # noqa: BLE001 - the speed part still runs
+        result["tensor2"] = _error(err)
+    _write(out, result)
+    shape = dict(num_hidden_layers=2) if small else dict(num_hidden_layers=4)
+    model = Qwen3ForCausalLM(
+        preset("qwen3-small" if small else "qwen3-1.7b", dtype="bfloat16", **shape), QuantSpec("w4a16")
+    )
+    fsdp = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=n))
+    with sharding.activate(fsdp):
+        frozen = jax.jit(lambda p: layout.freeze(p, model.quant, model))(
+            init_sharded(model, jax.random.key(0), fsdp)
+        )
+    config = EngineConfig(slots=8 * n, max_len=256)
+    replicated = layout.engine_mesh(layout.RolloutMesh(), jax.devices())
+    result["decode_ms"] = {}
+    for name, mesh, rules in (
+        ("fsdp", fsdp, sharding.DEFAULT_RULES),
+        ("replicated", replicated, layout.ENGINE_RULES),
+    ):
+        engine = RolloutEngine(model, frozen, config, mesh=mesh, rules=rules)
+        state = engine.allocate()
+        times = []
+        for _ in range(12):
+            t = time.perf_counter()
+            state, step = engine.generate(engine.params, state)
+            jax.block_until_ready(step.tokens)
+            times.append(time.perf_counter() - t)
+        engine.state = state
+        engine.release()
+        result["decode_ms"][name] = round(1e3 * sorted(times[2:])[len(times[2:]) // 2], 3)  # median, warm
+        _write(out, result)
+    ms = result["decode_ms"]
+    result["fsdp_over_replicated"] = round(ms["fsdp"] / ms["replicated"], 2)
+    _write(out, result)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- summary
 
 Row = tuple[str, str, str, str]
@@ -297,6 +363,20 @@ def _alignment_rows(out_dir: pathlib.Path, ran: dict[str, str]) -> list[Row]:
     return rows
 
 
+def _layout_rows(out_dir: pathlib.Path, ran: dict[str, str]) -> list[Row]:
+    """The tensor-2 rollout's bitwise row (none on one device: the stage needs two)."""
+    d = _load(out_dir, "layouts")
+    what = "tensor-2 rollout == FSDP training (MoE w4a16)"
+    if "skipped" in d:
+        return []
+    t = d.get("tensor2", {"error": _why("layouts", ran)})
+    if "frac_bitwise_equal" not in t:
+        return [(what, t.get("error", "")[:70], "frac 1.0", "no")]
+    measured = f"frac {t['frac_bitwise_equal']:.4f} of {t['n_tokens']} tokens"
+    measured += f", same experts {t['frac_same_experts']:.4f}"
+    return [(what, measured, "frac 1.0", _yes(t["frac_bitwise_equal"] == 1.0))]
+
+
 def _worst_kernel(k: dict, fmt: str, key: str) -> tuple[float | None, str]:
     """The smallest ``key`` of ``fmt`` over the rows with M <= 16, and where it was measured."""
     cells = [
@@ -355,6 +435,18 @@ def _speed_rows(out_dir: pathlib.Path, ran: dict[str, str], judged: bool) -> lis
 
 
 def _reported(out_dir: pathlib.Path) -> list[str]:
+    d = _load(out_dir, "layouts")
+    lines = [f"layouts: {d['skipped']}"] if "skipped" in d else []
+    if "decode_ms" in d:
+        ms = d["decode_ms"]
+        lines.append(
+            f"decode step on {d['devices']} devices: replicated {ms.get('replicated')} ms, FSDP layout "
+            f"{ms.get('fsdp')} ms ({d.get('fsdp_over_replicated', '?')}x)"
+        )
+    return lines + _reported_stages(out_dir)
+
+
+def _reported_stages(out_dir: pathlib.Path) -> list[str]:
     """What is reported without a target: naive mismatch, tokens/s per batch, shapes."""
     lines = []
     for c in _load(out_dir, "alignment").get("cells", []):
@@ -395,6 +487,7 @@ def summary(out_dir: pathlib.Path, mode: str, stages: pathlib.Path | None) -> in
     correctness = (_kernel_rows(out_dir, ran) if "kernels" in ran else []) + (
         _alignment_rows(out_dir, ran) if "alignment" in ran else []
     )
+    correctness += _layout_rows(out_dir, ran) if "layouts" in ran else []
     table = correctness + _speed_rows(out_dir, ran, judged=mode == "gpu")
     widths = [max(len(r[i]) for r in [HEADER, *table]) for i in range(3)]
     note = "" if mode == "gpu" else " (cpu: speed targets are the H200's and not judged here)"
@@ -431,7 +524,7 @@ def _cells(text: str) -> list[tuple[str, str, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="stage", required=True)
-    for name in ("kernels", "alignment"):
+    for name in ("kernels", "alignment", "layouts"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=pathlib.Path, required=True)
         p.add_argument("--small", action="store_true", help="CPU-sized shapes (implied on CPU)")
@@ -454,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     if args.stage == "kernels":
         return kernels(args.out, args.small)
+    if args.stage == "layouts":
+        return layouts(args.out, args.small)
     return alignment(args.out, args.small, args.budget_s, args.cells)
 
 

@@ -15,6 +15,8 @@
 #   rollout      c_rollout.json     benchmarks/rollout.py sweep: bf16/w8a8/w4a16 at batch 16/64/256
 #   hf           c_hf.json          the same sweep with Hugging Face generate (PyTorch), if present
 #   train_step   c_train_step.json  benchmarks/train_step.py: aligned w4a16 step vs bf16 step
+#   layouts      d_layouts.json     2+ devices (CPU: 8 fake ones): tensor-2 rollout == FSDP training
+#                                   bitwise; decode step, replicated layout vs the training layout
 # then log.txt (everything printed) and summary.txt (one line per target: measured, target, met).
 # With no GPU backend (or --cpu) every stage runs at CPU sizes with CPU budgets: a proof run.
 # OUT defaults to a new temporary folder. PYTHON (default python3) runs the stages; the repo root
@@ -23,7 +25,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-ALL_STAGES=kernels,alignment,kernel_speed,rollout,hf,train_step
+ALL_STAGES=kernels,alignment,kernel_speed,rollout,hf,train_step,layouts
 mode=auto
 stages=$ALL_STAGES
 cells=
@@ -93,7 +95,7 @@ main() {
     local -a small=() kshapes=() cell_args=() train=() limits=()
     if [[ $mode == gpu ]]; then
         DEADLINE=285
-        limits=(75 100 30 70 40 45) # per stage, in the order they run
+        limits=(75 100 30 70 40 45 60) # per stage, in the order they run
         b_budget=60 k_budget=15 r_budget=35 h_budget=15
         kshapes=(--shapes 4096x4096,8192x8192)
         rollout_mode=--gpu-shape
@@ -103,7 +105,7 @@ main() {
             --batch 8 --length 512 --prompt 128 --dtype bfloat16 --repeats 3)
     else
         DEADLINE=540
-        limits=(120 170 60 90 60 90)
+        limits=(120 170 60 90 60 90 180)
         b_budget=90 k_budget=20 r_budget=40 h_budget=20
         small=(--small)
         kshapes=(--shapes 256x256)
@@ -125,6 +127,10 @@ main() {
         --budget-s "$h_budget" --json "$OUT/c_hf.json"
     stage train_step "${limits[5]}" "$PY" benchmarks/train_step.py "${train[@]}" \
         --json "$OUT/c_train_step.json"
+    local -a fake=()
+    [[ $mode == gpu ]] || fake=(env "XLA_FLAGS=${XLA_FLAGS:-} --xla_force_host_platform_device_count=8")
+    stage layouts "${limits[6]}" "${fake[@]}" "$PY" benchmarks/device_check.py layouts \
+        --out "$OUT/d_layouts.json" "${small[@]}"
     echo "== done at ${SECONDS} s"
     "$PY" benchmarks/device_check.py summary --dir "$OUT" --mode "$mode" --stages "$WORK/stages.tsv"
 }

@@ -1,5 +1,6 @@
-"""The shipped real-run configs (Qwen3-8B / Qwen3-30B-A3B on a v5p slice and on 8 GPUs) load, shard
-evenly on their stated mesh and fit their chips' HBM, planned by shape alone (no weights)."""
+"""The shipped real-run configs (Qwen3-8B / Qwen3-30B-A3B on a v5p slice and on 8 GPUs, Qwen3-235B-A22B
+on a v5p-256) load, shard evenly on their stated mesh and fit their chips' HBM with 10% to spare,
+planned by shape alone (no weights)."""
 
 import pathlib
 
@@ -33,6 +34,8 @@ REAL_RUNS = {
     "qwen3_8b_16k_v5p64.yaml": ("v5p", 8.19e9),
     "qwen3_8b_16k_8gpu.yaml": ("h200", 8.19e9),
     "qwen3_30b_a3b_16k_8gpu.yaml": ("h200", 30.5e9),
+    # a frozen model larger than a chip: the rollout splits its experts over each host's 4 chips
+    "qwen3_235b_a22b_v5p256.yaml": ("v5p", 235.1e9),
 }
 
 
@@ -47,7 +50,9 @@ def test_real_run_config_shards_and_fits(name):
     assert p["devices"] == m.data * m.fsdp * m.tensor * m.expert
     assert p["param_count"] == pytest.approx(params, rel=0.01)
     assert p["notes"] == []  # nothing falls back to replication (the KV cache splits too)
-    assert p["fits"], f"{name}: {p['total_bytes'] / 1e9:.1f} GB > {HBM_GB[platform]} GB"
+    assert p["total_bytes"] <= 0.9 * p["hbm_bytes"], (
+        f"{name}: {p['total_bytes'] / 1e9:.1f} GB of {HBM_GB[platform]}"
+    )
 
 
 def test_mesh_that_does_not_divide_names_param_dim_and_axes():

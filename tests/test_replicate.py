@@ -14,8 +14,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "replication"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(module_compilation_cache):
+    """The arms share programs (the same rollout format, the bf16 eval of the master weights): each
+    later arm loads them from the persistent cache instead of compiling them again."""
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # five arms' runs, each compiling its own programs: ~7 min beside another worker
+@pytest.mark.timeout(1200)  # five arms, each compiling its own step program: minutes beside another worker
 def test_quick_runs_every_arm_and_resumes(tmp_path, monkeypatch):
     assert replicate.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "summary.json").read_text())

@@ -223,14 +223,15 @@ def plan(
     per_host = devices if per_host is None else min(per_host, devices)
     if per_host < 1 or devices % per_host:
         raise PlanError(f"{per_host} devices a host do not divide the {devices} devices")
+    model = Qwen3ForCausalLM(c)  # the parameter tree does not depend on the quant spec
+    params, specs = _param_specs(model, mesh, m.rules)
     try:
         engine_mesh = layout.check_layout(config.rollout.mesh, c, per_host)
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    model = Qwen3ForCausalLM(c)  # the parameter tree does not depend on the quant spec
-    params, specs = _param_specs(model, mesh, m.rules)
     frozen = jax.eval_shape(lambda p: layout.freeze(p, config.quant, model), params)
-    _, engine_specs = _param_specs(model, engine_mesh, layout.ENGINE_RULES)
+    engine_abstract = AbstractMesh(tuple(engine_mesh.values()), tuple(engine_mesh))
+    engine_shardings = layout.frozen_shardings(model, frozen, engine_abstract)
     opt_state = jax.eval_shape(make_optimizer(config.optimizer).init, params)
     ways = sharding.batch_ways(mesh, m.rules)
 
@@ -247,7 +248,10 @@ def plan(
     persistent = dict(
         params=param_bytes,
         reference=param_bytes if config.objective.kl_coef else 0,  # frozen initial policy for the KL term
-        frozen=_tree_bytes(frozen, engine_specs, engine_mesh),
+        frozen=sum(
+            math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+            for x, sh in zip(jax.tree.leaves(frozen), jax.tree.leaves(engine_shardings), strict=True)
+        ),
         optimizer=_tree_bytes(opt_state, specs, mesh),
         gradients=2 * param_bytes,
         kv_cache=2 * _shard_bytes(kv_shape, c.dtype, kv_spec, engine_mesh),

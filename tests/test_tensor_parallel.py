@@ -1,8 +1,8 @@
 """The tensor-parallel rollout engine's arithmetic on 8 fake CPU devices: a projection computed in
 column blocks on one device is bitwise the same projection split over 2 / 4 / 8 devices, per
 kernel backend (the GPU and TPU kernels in Pallas' interpreter); the engine's decode step gathers
-activations, never a weight; a tensor-parallel engine samples what one device samples; and layouts
-the arithmetic cannot keep bitwise are refused in one line."""
+activations, never a weight; and layouts the arithmetic cannot keep bitwise are refused in one line.
+(The engine against the training forward: test_tools_check_alignment, tensor 2 x expert 2.)"""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import FORMATS, quantize, quantized_matmul
 from qarl_jax import quant
 from qarl_jax.errors import ConfigError
-from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
+from qarl_jax.models import Qwen3ForCausalLM, preset
 from qarl_jax.quant import QuantSpec
-from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, layout, rollout
+from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 from qarl_jax.tools import compiled_memory
 from qarl_jax.tools.collectives import collective_bytes_by_kind
 
@@ -123,21 +123,3 @@ def test_decode_step_gathers_activations_never_a_weight():
     frozen_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
     moved = collective_bytes_by_kind(text, unknown_trips=1)  # 2 slots a device: one row block
     assert 0 < moved["all-gather"] < frozen_bytes  # at these toy widths a block of activations is not small
-
-
-def test_tensor_parallel_engine_samples_what_one_device_samples():
-    """Whole samples (tokens, log-probs) of qwen3-moe-tiny in bf16 compute and w4a16: the engine on
-    tensor 2 x expert 2 x data 2 == the engine on one device."""
-    model = Qwen3ForCausalLM(BF16_MOE.replace(tensor_blocks=2), QuantSpec("w4a16"))
-    params = init_params(model, jax.random.key(0))
-    prompts = [list(range(3, 3 + n)) for n in (5, 9, 3, 12)]
-    config = EngineConfig(slots=8, max_len=32)
-
-    def samples(mesh):
-        frozen = layout.freeze(params, model.quant, model)
-        engine = RolloutEngine(model, frozen, config, mesh=mesh, rules=layout.ENGINE_RULES)
-        out = rollout(engine, prompts, 2, 10, SamplingParams(0.7), seed=3, progress=False)
-        return [(s.tokens, np.asarray(s.sampling_logprobs).tolist()) for g in out for s in g]
-
-    split = layout.engine_mesh(layout.RolloutMesh(data=2, tensor=2, expert=2), jax.devices()[:8])
-    assert samples(split) == samples(None)

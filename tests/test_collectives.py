@@ -74,5 +74,6 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 """
     with pytest.raises(ValueError, match="all-gather in body runs in a loop of unknown trip count"):
         collective_bytes(text)
+    assert collective_bytes(text, unknown_trips=3) == 3 * 16  # the caller's count: 3 x f32[4]
     with pytest.raises(ValueError, match="no ENTRY computation"):
         collective_bytes("%f (x: f32[1]) -> f32[1] {\n}")

@@ -5,7 +5,8 @@ import pytest
 
 from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, preset
 
-REAL = ("qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b")  # published checkpoints' architectures (for planning)
+# published checkpoints' architectures (for planning)
+REAL = ("qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 
 
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - set(REAL)))

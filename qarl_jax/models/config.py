@@ -112,8 +112,11 @@ class Qwen3Config:
             )
         for name in ("param_dtype", "dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
-        if self.tensor_blocks < 1:
-            raise ValueError(f"Qwen3Config.tensor_blocks must be >= 1, got {self.tensor_blocks}")
+        if self.tensor_blocks < 1 or self.num_attention_heads % self.tensor_blocks:
+            raise ValueError(
+                f"Qwen3Config.tensor_blocks={self.tensor_blocks} must be >= 1 and divide the "
+                f"{self.num_attention_heads} attention heads (a block holds whole heads)"
+            )
 
     def column_blocks(self, projection: str) -> int:
         """The column blocks of ``projection`` (k_proj and v_proj: never narrower than a head)."""

@@ -69,6 +69,7 @@ def per_device(
     lead = names if names and rows % sharding.axis_ways(names, mesh) == 0 else None
     given = specs or (None,) * len(args)
     in_specs = tuple(P(lead, *(s or ())) if b else (s or P()) for b, s in zip(batched, given, strict=True))
+    out: P | tuple[P, ...]
     if out_specs is None:
         out = P(lead)
     elif isinstance(out_specs, P):  # one output

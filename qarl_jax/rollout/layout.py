@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import QuantizedWeight
 from qarl_jax import sharding
@@ -130,7 +130,9 @@ def check_layout(layout: RolloutMesh, model: Qwen3Config, num_devices: int) -> d
     return sizes
 
 
-def frozen_shardings(model: nn.Module, frozen, mesh: Mesh, rules: sharding.Rules = ENGINE_RULES):
+def frozen_shardings(
+    model: nn.Module, frozen, mesh: Mesh | AbstractMesh, rules: sharding.Rules = ENGINE_RULES
+):
     """A NamedSharding for every leaf of the frozen tree ``frozen`` (arrays or shape structs): a
     parameter's logical axes under ``rules``; a QuantizedWeight's values and scales both take its
     kernel's axes (a packed or grouped K axis is never split by the engine's rules). A dimension

@@ -65,10 +65,10 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
     # collective under such a loop is an error rather than a wrong figure
     runs: dict[str, int] = defaultdict(int)
     runs[entry] = 1
-    unknown_trips: set[str] = set()
+    under_unknown: set[str] = set()  # computations run by a loop of unknown trip count
     for name in reversed(names):
         for _, opcode, rest in body[name]:
-            times, unknown = runs[name], name in unknown_trips
+            times, unknown = runs[name], name in under_unknown
             if opcode == "while":
                 trips = _TRIPS.search(rest)
                 times *= int(trips.group(1)) if trips else (unknown_trips or 1)
@@ -80,14 +80,14 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
             for callee in callees:
                 runs[callee] += times
                 if unknown:
-                    unknown_trips.add(callee)
+                    under_unknown.add(callee)
     totals: dict[str, int] = defaultdict(int)
     for name, instructions in body.items():
         for shape, opcode, _ in instructions:
             kind = _kind(opcode)
             if kind is None:
                 continue
-            if name in unknown_trips:
+            if name in under_unknown:
                 raise ValueError(f"a {kind} in {name} runs in a loop of unknown trip count: cannot count it")
             totals[kind] += _array_bytes(shape) * runs[name]
     return dict(totals)

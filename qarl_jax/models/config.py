@@ -305,21 +305,16 @@ PRESETS: dict[str, Qwen3Config] = {
         decoder_sparse_step=1,
         mlp_only_layers=(),
     ),
-    "qwen3-235b-a22b": _QWEN3_1_7B.replace(  # 235B params, 22B active: 128 experts top-8 in every layer
-        hidden_size=4096,
-        intermediate_size=12288,  # in its config.json, unused: every layer is sparse
-        num_hidden_layers=94,
-        num_attention_heads=64,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=1536,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-    ),
 }
+# 235B params, 22B active: Qwen3-30B-A3B's MoE (128 experts, top-8 in every layer, 4 kv heads) wider
+# and deeper (intermediate_size is in its config.json, unused: every layer is sparse)
+PRESETS["qwen3-235b-a22b"] = PRESETS["qwen3-30b-a3b"].replace(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    moe_intermediate_size=1536,
+)
 
 
 def preset(name: str, **overrides) -> Qwen3Config:

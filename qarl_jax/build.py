@@ -88,12 +88,14 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(i for t in EOS_TOKENS if (i := tokenizer.token_to_id(t)) is not None)
 
 
-def engine_layout(config: Config) -> Mesh:
-    """The rollout engine's mesh (``rollout.mesh`` over this process's devices), checked against the
-    architecture before any weight is loaded (see :func:`qarl_jax.rollout.layout.check_layout`)."""
+def engine_layout(config: Config, devices: list | None = None) -> Mesh:
+    """The rollout engine's mesh (``rollout.mesh`` over ``devices``, default this process's), checked
+    against the architecture before any weight is loaded (see
+    :func:`qarl_jax.rollout.layout.check_layout`)."""
     r = config.rollout
-    layout.check_layout(r.mesh, architecture(config), jax.local_device_count())
-    return layout.engine_mesh(r.mesh)
+    devices = jax.local_devices() if devices is None else devices
+    layout.check_layout(r.mesh, architecture(config), len(devices))
+    return layout.engine_mesh(r.mesh, devices)
 
 
 def build_engine(config: Config, model: Qwen3ForCausalLM, frozen, tokenizer, mesh: Mesh) -> RolloutEngine:

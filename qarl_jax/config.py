@@ -83,8 +83,23 @@ class RolloutConfig:
     # the engine's own layout over this process's devices (qarl_jax.rollout.layout): data (slots on
     # replicated frozen weights; default: every device) x expert (MoE experts split) x tensor (1)
     mesh: RolloutMesh = RolloutMesh()
+    # k-step-off rollouts (qarl_jax.rollout.overlap): 0 rolls each batch out with the weights it
+    # trains from; k >= 1 trains step s on a batch the weights of update max(0, s - k) rolled out,
+    # while the engine decodes the next one
+    async_steps: int = 0
+    # devices of the run that decode, the rest train (0: every device does both, in turns); split
+    # evenly over the processes, the first of each process's devices; needs async_steps >= 1
+    devices: int = 0
+    overlap: bool = True  # false: the async schedule without concurrency (the exactness reference)
 
     def __post_init__(self):
+        if self.async_steps < 0 or self.devices < 0:
+            raise ValueError(f"async_steps and devices must be >= 0, got {self.async_steps}, {self.devices}")
+        if self.devices and not self.async_steps:
+            raise ValueError(
+                f"devices={self.devices} with async_steps=0: the two device groups would only take "
+                "turns (each idle while the other works); set async_steps >= 1, or devices=0"
+            )
         for name in ("samples_per_prompt", "max_new_tokens", "slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

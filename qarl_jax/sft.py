@@ -1,7 +1,8 @@
 """``python -m qarl_jax.sft [--config configs/sft_arith.yaml] [key=value ...]``: the starting policy.
 
 RL from a random policy on the arithmetic task gets no reward to learn from, so the embedded default
-starts from a policy fine-tuned here on worked solutions (``12+34=46\\n46-5=41\\n#### 41<eos>``).
+starts from a policy fine-tuned here (from a preset's random weights, or, with ``model.path``, from
+an earlier policy: a curriculum) on worked solutions (``12+34=46\\n46-5=41\\n#### 41<eos>``).
 It trains the same model code through the same training forward the RL step uses (for w4a16: the
 quantized kernels with a straight-through backward), so the deployed quantized policy is the one
 that was trained. It stops at the first held-out greedy eval reaching ``target_accuracy`` (a partial
@@ -21,11 +22,11 @@ import jax.numpy as jnp
 import optax
 
 from qarl_jax import quant
-from qarl_jax.build import eos_ids, eval_set
+from qarl_jax.build import eos_ids, eval_set, model_dir
 from qarl_jax.config import ConfigError, ModelConfig, load_config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_dataset, make_source
 from qarl_jax.evaluation import evaluate
-from qarl_jax.models import Qwen3ForCausalLM, init_params, preset, save_pretrained
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import policy_logprobs
@@ -48,10 +49,10 @@ class SftConfig:
     output_dir: str = "qarl_jax/assets/policy"
 
     def __post_init__(self):
-        if self.model.path is not None:
-            raise ValueError("sft trains a preset from scratch: model.path must be null")
         if min(self.steps, self.eval_every, self.eval_prompts, self.warmup_steps + 1) < 1:
             raise ValueError("steps, eval_every and eval_prompts must be >= 1, warmup_steps >= 0")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
 
 
 def examples(config: SftConfig, tokenizer):
@@ -89,11 +90,16 @@ def make_step(model: Qwen3ForCausalLM, tx: optax.GradientTransformation):
 def sft(config: SftConfig) -> dict:
     tokenizer = build_arithmetic_tokenizer()
     m = config.model
-    depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
-    model = Qwen3ForCausalLM(
-        preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth), config.quant
-    )
-    params = init_params(model, jax.random.key(config.seed))
+    if m.path is None:
+        depth = {} if m.num_hidden_layers is None else {"num_hidden_layers": m.num_hidden_layers}
+        model = Qwen3ForCausalLM(
+            preset(m.preset, param_dtype=m.param_dtype, dtype=m.compute_dtype, **depth), config.quant
+        )
+        params = init_params(model, jax.random.key(config.seed))
+    else:  # a curriculum: go on from a policy fine-tuned on an easier task (same tokenizer)
+        model, params, _ = from_pretrained(
+            model_dir(m.path), dtype=m.param_dtype, compute_dtype=m.compute_dtype, quant=config.quant
+        )
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, config.warmup_steps, config.steps
     )

@@ -22,11 +22,13 @@ import functools
 import json
 import pathlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qarl_jax import distributed, rundir, sharding
@@ -42,15 +44,16 @@ from qarl_jax.build import (
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
 from qarl_jax.data import build_pipeline
-from qarl_jax.errors import ConfigError, Interrupted
+from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
-from qarl_jax.rl.batch import bucketed_length
+from qarl_jax.rl.batch import RolloutBatch, bucketed_length
 from qarl_jax.rl.train_step import Trainer, TrainState
 from qarl_jax.rollout import RolloutEngine, SamplingParams, layout, rollout
+from qarl_jax.rollout.overlap import PhaseClock, Produced, device_groups, run_phases
 from qarl_jax.runlog import MetricsLog
 
 
@@ -104,44 +107,108 @@ class Loop:
         )
         return dapo.Groups([p.tolist() for p in prompts], samples, scores, rewards)
 
-    def step(self, state, batch: dict, step: int, more: Callable[[], dict] | None = None):
-        """One RL step on this process's prompt batch (``more()``: the next one, for dynamic
-        sampling's refills); returns the new state and the step's metrics (over every process's
-        samples; rewards, lengths and truncation are those of the step's first draw, as without
-        dynamic sampling)."""
+    def produce(self, batch: dict, step: int, more: Callable[[], dict] | None, version: int) -> Produced:
+        """Step ``step``'s rolled-out, graded batch from the engine's current weights (those of
+        update ``version``): the first draw and, with dynamic sampling, its refills (``more()``: the
+        next prompt batch)."""
         c = self.config
         seed = step_seed(c.seed, step)
-        start = time.perf_counter()
         timing: list[tuple[float, int]] = []  # (seconds generating, tokens generated) per draw
         drawn = self.draw(batch, seed, timing=timing)
-        groups = drawn
-        dynamic: dict[str, float] = {}
+        groups, dynamic = drawn, dict[str, float]()
         if c.rollout.dynamic_sampling:
             if more is None:
                 raise ValueError("rollout.dynamic_sampling needs more prompt batches to refill from")
             refill = lambda r: self.draw(more(), seed, r, timing)
             groups, dynamic = dapo.dynamic_sampling(drawn, refill, len(drawn), c.rollout.max_resample_rounds)
         rollout_s, tokens = np.sum(timing, axis=0)
+        return Produced(drawn, groups, dynamic, version, float(rollout_s), int(tokens))
+
+    def training_batch(self, produced: Produced) -> tuple[RolloutBatch, int]:
+        """The produced groups as this step's (global) training batch, and its padded length."""
+        c, groups = self.config, produced.groups
         adv = np.asarray(group_advantages(groups.rewards, c.advantage, std=c.rollout.advantage_std))
-        rows = len(drawn) * c.rollout.samples_per_prompt
-        filler = drawn.prompts[0]
+        rows = len(produced.drawn) * c.rollout.samples_per_prompt
+        filler = produced.drawn.prompts[0]
         # one length on every host (their rows form one global batch)
         longest = int(distributed.gather(np.asarray([dapo.longest_inputs(groups, filler)], np.int32)).max())
         length = bucketed_length(longest, c.rollout.max_len, c.train.length_buckets)
         train_batch = dapo.groups_batch(groups, adv, rows, length, filler)
-        train_batch = distributed.global_batch(train_batch, self.trainer.mesh, self.trainer.rules)
+        return distributed.global_batch(train_batch, self.trainer.mesh, self.trainer.rules), length
+
+    def learn(self, state, produced: Produced, step: int):
+        """The updates on one produced batch: (new state, per-update metrics, padded length)."""
+        train_batch, length = self.training_batch(produced)
+        rng = np.random.default_rng(step_seed(self.config.seed, step))
+        stale = produced.version < step
+        state, history = self.trainer.train_on_rollouts(state, train_batch, rng, stale=stale)
+        return state, jax.device_get(history), length
+
+    def check(self, produced: Produced, frozen, step: int) -> None:
+        """Asynchronous rollouts, aligned: the alignment check of a batch that step ``step`` will
+        train on, made now, at the weights that rolled it out (``frozen``, training layout)."""
+        if produced.version < step and self.trainer.aligned:
+            batch, _ = self.training_batch(produced)
+            produced.check = self.trainer.behaviour_check(frozen, batch)
+
+    def step(self, state, batch: dict, step: int, more: Callable[[], dict] | None = None):
+        """One RL step on this process's prompt batch (``more()``: the next one, for dynamic
+        sampling's refills), rolled out with the current weights; returns the new state and the
+        step's metrics (over every process's samples; rewards, lengths and truncation are those of
+        the step's first draw, as without dynamic sampling)."""
+        start, clock = time.perf_counter(), PhaseClock()
+        produced = clock.timed("rollout", lambda: self.produce(batch, step, more, version=step))
         self.engine.release_params()  # the old frozen weights are dead: their memory goes to the update
-        state, history = self.trainer.train_on_rollouts(state, train_batch, np.random.default_rng(seed))
+        state, history, length = clock.timed("train", lambda: self.learn(state, produced, step))
         self.engine.update_params(self.place(self.quantize(state.params)), donate=True)
-        history = jax.device_get(history)
+        return state, self.metrics(produced, history, length, step, start, clock)
+
+    def async_step(self, state, pending: deque[Produced], frozen, step: int, next_batch: Callable[[], dict]):
+        """One step of k-step-off training (:mod:`qarl_jax.rollout.overlap`): train on the oldest
+        of the ``pending`` batches while the engine rolls out batch ``step + k`` with the weights it
+        holds (update ``step``'s; ``frozen``: the same, on the training layout, for the alignment
+        check), then swap in the new weights. Returns (state, metrics, the new weights' frozen tree
+        on the training layout)."""
+        c = self.config
+        start, clock = time.perf_counter(), PhaseClock()
+        target = step + c.rollout.async_steps
+        produce = None
+        if target < c.run.steps:
+            produce = lambda: self.produce(next_batch(), target, next_batch, version=step)
+        trained = pending.popleft()
+        separate = c.rollout.devices > 0
+
+        def train():
+            new_state, history, length = self.learn(state, trained, step)
+            new_frozen = self.quantize(new_state.params)
+            # on their own devices the new weights travel while the engine still decodes
+            staged = self.engine.stage_params(self.place(new_frozen)) if separate else None
+            return new_state, history, length, new_frozen, staged
+
+        produced, (state, history, length, new_frozen, staged) = run_phases(
+            produce, train, c.rollout.overlap, clock
+        )
+        if produced is not None:
+            self.check(produced, frozen, target)
+            pending.append(produced)
+        if staged is not None:
+            self.engine.update_params(staged)
+        else:
+            self.engine.update_params(self.place(new_frozen), donate=not self.trainer.aligned)
+        metrics = self.metrics(trained, history, length, step, start, clock)
+        return state, metrics | {"rollout/staleness": step - trained.version}, new_frozen
+
+    def metrics(self, produced: Produced, history, length: int, step: int, start: float, clock) -> dict:
+        """The step's metrics (see :meth:`step`) from the batch it trained on and its updates."""
         seconds = time.perf_counter() - start
+        drawn, dynamic = produced.drawn, produced.dynamic
         flat = [s for group in drawn.samples for s in group]
         local = {
             "rewards": drawn.scores,
             "lengths": np.asarray([s.length for s in flat]),
             "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
-            "seconds": np.asarray([[rollout_s, seconds]]),
-            "tokens": np.asarray([tokens]),
+            "seconds": np.asarray([[produced.rollout_s, seconds]]),
+            "tokens": np.asarray([produced.tokens]),
         }
         if dynamic:
             local["dynamic"] = np.asarray([[dynamic[k] for k in sorted(dynamic)]], np.float32)
@@ -153,7 +220,7 @@ class Loop:
         if dynamic:
             columns = zip(sorted(dynamic), every_host["dynamic"].T, strict=True)
             dynamic = {k: float(reduce.get(k, np.sum)(v)) for k, v in columns}
-        metrics = {
+        return {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
@@ -163,12 +230,13 @@ class Loop:
             "truncated_frac": float(np.mean(truncated)),
             "batch_length": length,  # the training batch's padded length (train.length_buckets)
             **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]},
+            **{f"train/{k}": v for k, v in produced.check.items()},  # a stale batch's alignment check
             **{f"dynamic/{k}": v for k, v in dynamic.items()},
             "time/step_s": float(seconds),
             "time/rollout_tokens_per_s": float(every_host["tokens"].sum() / rollout_s),
+            **clock.metrics(float(seconds)),
             **self.engine.sync.metrics(),  # the move of the new frozen weights to the engine's layout
         }
-        return state, metrics
 
 
 def _postfix(metrics: dict) -> dict:
@@ -196,9 +264,11 @@ def train(config: Config) -> Result:
     primary = distributed.is_primary()
     run_dir = pathlib.Path(config.run.output_dir)
     rundir.check_output_dir(run_dir)
-    mesh = _mesh(config)
+    training_devices, rollout_devices = device_groups(config.rollout.devices)
+    mesh = _mesh(config, training_devices)
+    _check_batch_split(config, mesh)
     check_model_files(config)
-    engine_mesh = engine_layout(config)
+    engine_mesh = engine_layout(config, rollout_devices)
     tokenizer = build_tokenizer(config)
     host_data = distributed.host_data(training_data(config.data))
     data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
@@ -232,16 +302,62 @@ def _objective(config: Config):
     return o if o.loss_norm is not None else dataclasses.replace(o, loss_norm=float(config.rollout.max_len))
 
 
-def _mesh(config: Config):
+def _mesh(config: Config, devices: list):
     try:
-        return sharding.make_mesh(config.mesh)
+        return sharding.make_mesh(config.mesh, devices)
     except ValueError as e:
-        raise ConfigError(f"mesh: {e} ({jax.device_count()} device(s) here)") from e
+        others = (
+            f", {config.rollout.devices} of them decoding (rollout.devices)" if config.rollout.devices else ""
+        )
+        raise ConfigError(f"mesh: {e} ({jax.device_count()} device(s) here{others})") from e
+
+
+def _check_batch_split(config: Config, mesh: Mesh) -> None:
+    """Every micro-batch of the step's rows must split over the trainer's batch axes: say so before
+    any work, not as a sharding error at the first update."""
+    rows = config.data.batch_size * config.rollout.samples_per_prompt
+    parts = config.train.num_minibatches * config.train.micro_batches
+    ways = sharding.batch_ways(mesh, config.mesh.rules)
+    if rows % (parts * ways):
+        raise ConfigError(
+            f"data.batch_size x rollout.samples_per_prompt = {rows} rows a step do not split into "
+            f"train.num_minibatches x train.micro_batches = {parts} micro-batches over the {ways} "
+            f"devices of the trainer's batch axes"
+        )
+
+
+def _local_mesh(mesh: Mesh) -> Mesh:
+    """The trainer's devices of this process, as a one-axis mesh (where a host's replica of the
+    weights is assembled before its move to the engine)."""
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return Mesh(np.asarray(mine), ("local",))
+
+
+def _save(ckpt: Checkpointer, step: int, state, data, pending: deque[Produced] | None, seed: int) -> None:
+    """A checkpoint after ``step`` steps; with asynchronous rollouts this process's data item holds
+    the batches already rolled out for the next steps beside the iterator."""
+    local = data.get_state()
+    if pending is not None:
+        local = {"iterator": local, "pending": [p.to_json() for p in pending]}
+    ckpt.save(step, state, distributed.data_state_to_save(local), seed)
+
+
+def _restore_data(config: Config, data, saved: dict, where: str) -> deque[Produced] | None:
+    """Set the iterator from a checkpoint's data item; the pending batches of an asynchronous run."""
+    local = distributed.own_data_state(saved, where)
+    if not config.rollout.async_steps:
+        data.set_state(local)
+        return None
+    if "pending" not in local:
+        raise CheckpointError(f"{where} has no pending batches: it was not written by an asynchronous run")
+    data.set_state(local["iterator"])
+    return deque(Produced.from_json(p) for p in local["pending"])
 
 
 def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
     mesh, engine_mesh = meshes  # the trainer's (global) and the rollout engine's (this process's)
-    place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=engine_mesh)
+    place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=_local_mesh(mesh))
+    k = config.rollout.async_steps
     with (
         sharding.activate(mesh, config.mesh.rules),
         Grader(config.rewards.num_workers, config.rewards.time_limit_s) as grader,
@@ -251,10 +367,10 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
         state = trainer.init_state(params)
         del params
         restored = ckpt.restore(state)
-        start = 0
+        start, pending = 0, deque[Produced]() if k else None
         if restored is not None:
             state, start = restored.state, restored.step
-            data.set_state(distributed.own_data_state(restored.data_state, str(ckpt.directory / str(start))))
+            pending = _restore_data(config, data, restored.data_state, str(ckpt.directory / str(start)))
         quantize = jax.jit(lambda p: layout.freeze(p, config.quant, model))
         engine = build_engine(config, model, place(quantize(state.params)), tokenizer, engine_mesh)
         evaluator = Evaluator(config, engine, tokenizer, grader, held_out, state.params, place)
@@ -271,9 +387,17 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
         show = config.run.progress and primary
         bar = tqdm(steps, initial=start, total=config.run.steps, desc="qarl", disable=not show)
         metrics: dict = {}
+        frozen = quantize(state.params) if k else None  # the engine's weights, on the training layout
+        while pending is not None and len(pending) < min(k, config.run.steps - start):  # the first k
+            produced = loop.produce(next(data), start + len(pending), lambda: next(data), version=start)
+            loop.check(produced, frozen, start + len(pending))
+            pending.append(produced)
         try:
             for step in bar:
-                state, metrics = loop.step(state, next(data), step, more=lambda: next(data))
+                if pending is None:
+                    state, metrics = loop.step(state, next(data), step, more=lambda: next(data))
+                else:
+                    state, metrics, frozen = loop.async_step(state, pending, frozen, step, lambda: next(data))
                 metrics.update({f"data/skipped_{k}": n for k, n in data.skipped_by_category().items()})
                 metrics.update({f"data/eval_skipped_{k}": n for k, n in held_out["skipped"].items()})
                 done = step + 1
@@ -286,8 +410,7 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
                     bar.set_postfix(_postfix(metrics), refresh=False)
                 every = config.run.checkpoint_every
                 if done == config.run.steps or (every and done % every == 0):
-                    data_state = distributed.data_state_to_save(data.get_state())
-                    ckpt.save(done, state, data_state, config.seed)
+                    _save(ckpt, done, state, data, pending, config.seed)
             ckpt.close()
         finally:
             if log is not None:

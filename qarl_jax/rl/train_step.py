@@ -267,11 +267,11 @@ class Trainer:
         self._pg_objective = dataclasses.replace(objective, kl_coef=0.0, entropy_coef=0.0)
         self._kl = bool(objective.kl_coef)
         # unquantized, the training forward is the rollout's too (the same kernels on the same weights)
-        self._old_from_rollout = train.old_logprobs_from_rollout(
-            "aligned" if model.quant is None else model.quant.mode
-        )
+        self.aligned = model.quant is None or model.quant.mode == "aligned"  # training forward = rollout's
+        self._old_from_rollout = train.old_logprobs_from_rollout("aligned" if self.aligned else "naive")
         self._batch_metrics = jax.jit(self._batch_metrics_impl)
         self._old_logprobs = jax.jit(self._old_logprobs_impl)
+        self._behaviour_check = jax.jit(self._behaviour_check_impl)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl) if self._kl else None
         self._update = jax.jit(self._update_impl, donate_argnums=(0,))
 
@@ -351,13 +351,14 @@ class Trainer:
             )
         return rows
 
-    def _chunked(self, score, params, batch: RolloutBatch):
+    def _chunked(self, score, params, batch: RolloutBatch, chunks: int | None = None):
         """``score(model, params, tokens, positions, segment_ids, targets, temperature)`` over the
-        batch in chunks of :meth:`_score_rows`, outputs back in row order. Chunk c of C holds rows
-        c, c + C, c + 2C, ...: the rows sit on the devices in contiguous blocks, so every chunk is a
-        slice of each device's own rows (no resharding); one chunk's shape, one compile."""
+        batch in ``chunks`` chunks (default: of :meth:`_score_rows` rows), outputs back in row order.
+        Chunk c of C holds rows c, c + C, c + 2C, ...: the rows sit on the devices in contiguous
+        blocks, so every chunk is a slice of each device's own rows (no resharding); one chunk's
+        shape, one compile."""
         n = batch.num_rows
-        chunks = n // self._score_rows(n)
+        chunks = chunks or n // self._score_rows(n)
         split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)
         merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])
 
@@ -392,6 +393,26 @@ class Trainer:
         logp, entropy = self._chunked(policy_logprobs_and_entropy, params, batch)
         old = jax.lax.stop_gradient(logp) * batch.mask
         return old, {**self._scored_metrics(logp, entropy, batch), **self._batch_metrics_impl(batch)}
+
+    def _behaviour_check_impl(self, frozen, batch):
+        chunks = self.train.micro_batches  # the rows of one micro-batch at a time, as an update's
+        logp, entropy = self._chunked(policy_logprobs_and_entropy, frozen, batch, chunks)
+        return self._scored_metrics(logp, entropy, batch)
+
+    def behaviour_check(self, frozen, batch: RolloutBatch) -> dict[str, float]:
+        """The alignment check of a batch rolled out by older weights (asynchronous rollouts): the
+        :data:`SCORED_METRICS` of the training forward at those weights, ``frozen`` (the quantized
+        tree the engine ran: the aligned forward reads it as it reads weights it quantizes itself,
+        bit for bit), over the first minibatch's worth of rows, as the first update checks a batch
+        of the current weights. Raises with ``train.assert_aligned`` on any differing bit."""
+        if not self.aligned:
+            raise ValueError("behaviour_check needs the aligned forward (the rollout's kernels in training)")
+        rows = batch.num_rows // self.train.num_minibatches
+        first = self.shard_batch(batch.map(_host).rows(np.arange(rows)))
+        with self._context():
+            scored = {k: float(v) for k, v in jax.device_get(self._behaviour_check(frozen, first)).items()}
+        self._check_first_update_aligned(scored)
+        return scored
 
     def _ref_logprobs_impl(self, ref_params, batch):
         # not masked: the loss's exp(ref - logp) stays finite on padding (0 there could overflow)
@@ -460,12 +481,24 @@ class Trainer:
             return self._update(state, batch)
 
     def train_on_rollouts(
-        self, state: TrainState, batch: RolloutBatch, rng: np.random.Generator | None = None
+        self,
+        state: TrainState,
+        batch: RolloutBatch,
+        rng: np.random.Generator | None = None,
+        stale: bool = False,
     ):
         """Old log-probs (:data:`OLD_LOGPROBS`), then ppo_epochs x num_minibatches updates
         (minibatches reshuffled per epoch when ``rng`` is given). Returns the new state and the list
         of per-update metrics (each with the rollout batch's metrics too; with old_logprobs=rollout
-        the :data:`SCORED_METRICS` among them are the first update's, over its minibatch)."""
+        the :data:`SCORED_METRICS` among them are the first update's, over its minibatch).
+
+        ``stale``: older weights rolled the batch out (asynchronous rollouts). pi_old is then the
+        behaviour policy with old_logprobs=rollout (its log-probs are the engine's, exactly, in
+        aligned mode) and the proximal policy, the current weights, with recompute (decoupled PPO:
+        the correction weight w = pi_prox / pi_behaviour, capped, carries the staleness). Either way
+        a forward at the current weights compares with the behaviour's log-probs: that is the
+        staleness, reported as ``staleness_*`` in place of ``mismatch_*`` (the mismatch proper is
+        :meth:`behaviour_check`'s)."""
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"train_on_rollouts takes a RolloutBatch (qarl_jax.rl.batch), got {type(batch)}")
         sharded = self.shard_batch(batch)
@@ -479,7 +512,7 @@ class Trainer:
         if self._kl:
             batch = batch.replace(ref_logp=self.ref_logprobs(state, sharded))
         batch = batch.map(_host)  # minibatches are cut on the host
-        if self.train.assert_aligned and not self._old_from_rollout:
+        if self.train.assert_aligned and not self._old_from_rollout and not stale:
             mask = np.asarray(batch.mask) > 0
             old, rollout = np.asarray(batch.old_logp)[mask], np.asarray(batch.rollout_logp)[mask]
             if not np.array_equal(old, rollout):
@@ -502,8 +535,12 @@ class Trainer:
                     scored = {k: metrics.pop(k) for k in SCORED_METRICS}
                     if not updates:
                         rollout_metrics = {**rollout_metrics, **scored}
-                        self._check_first_update_aligned(scored)
+                        if not stale:
+                            self._check_first_update_aligned(scored)
                 updates.append(metrics)
+        if stale:
+            rename = lambda k: k.replace("mismatch_", "staleness_", 1) if k.startswith("mismatch_") else k
+            rollout_metrics = {rename(k): v for k, v in rollout_metrics.items()}
         return state, [{**rollout_metrics, **m} for m in updates]
 
     def _check_first_update_aligned(self, scored: dict) -> None:

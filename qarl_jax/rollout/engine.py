@@ -194,6 +194,13 @@ def sample_key(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), prompt_index), sample_index)
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """Frozen weights already on the engine's layout (:meth:`RolloutEngine.stage_params`)."""
+
+    tree: Any
+
+
 class RolloutEngine:
     """Continuous-batching decode over frozen (quantized) weights; see the module docstring."""
 
@@ -233,9 +240,19 @@ class RolloutEngine:
 
     # ---- weights and memory -------------------------------------------------------------------
 
+    def stage_params(self, params, donate: bool = False) -> Staged:
+        """New frozen weights moved to the engine's layout now, while the engine may still decode on
+        its current ones (asynchronous rollouts on their own devices); :meth:`update_params` swaps
+        them in later without moving them again."""
+        return Staged(params if self.mesh is None else self.sync(params, donate=donate))
+
     def update_params(self, params, donate: bool = False) -> None:
         """Swap in new frozen weights (same tree, shapes and dtypes: no recompilation), moved to the
-        engine's layout in one resharding (``donate``: the given arrays may be consumed by it)."""
+        engine's layout in one resharding (``donate``: the given arrays may be consumed by it), or
+        already moved there by :meth:`stage_params`."""
+        staged = isinstance(params, Staged)
+        if staged:
+            params = params.tree
         old, new = jax.tree.structure(self.params), jax.tree.structure(params)
         if old != new:  # type: ignore[operator]  # PyTreeDef compares by structure; its stub has no __ne__
             raise ValueError(f"update_params: parameter tree differs from the engine's ({new} vs {old})")
@@ -246,8 +263,11 @@ class RolloutEngine:
                     f"update_params: {jax.tree_util.keystr(path)} is {b.shape} {b.dtype}, "
                     f"the engine runs {a.shape} {a.dtype}"
                 )
-        self.params = params if self.mesh is None else self.sync(params, donate=donate)
-        self._owns_params = donate
+        if staged or self.mesh is None:
+            self.params = params
+        else:
+            self.params = self.sync(params, donate=donate)
+        self._owns_params = donate or (staged and self.mesh is not None)
 
     def release_params(self) -> None:
         """Free the engine's copy of the frozen weights (the trainer's phase: they are replaced after

@@ -43,6 +43,25 @@ def test_quick_runs_every_arm_and_resumes(tmp_path, monkeypatch):
     assert before == {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/seed0/metrics.jsonl")}
 
 
+def test_intervals_and_paired_differences_by_hand():
+    # mean 2, sample std 1, t(0.975, 2 dof) = 4.302653: half-width 4.302653 / sqrt(3)
+    assert summary.interval95([1.0, 2.0, 3.0]) == pytest.approx(4.302653 / 3**0.5, rel=1e-6)
+    assert summary.interval95([0.5]) is None
+    runs = [
+        {"arm": arm, "seed": seed, "final_accuracy": acc, "mean_accuracy": acc / 2}
+        for arm, seed, acc in [
+            ("quantized-rollout", 0, 0.50), ("quantized-rollout", 1, 0.60), ("quantized-rollout", 2, 0.70),
+            ("qarl-tbpo", 0, 0.55), ("qarl-tbpo", 1, 0.70), ("qarl-tbpo", 2, 0.70), ("qarl-tbpo", 3, 0.90),
+        ]
+    ]  # fmt: skip
+    pairs = summary.paired(runs, ["quantized-rollout", "qarl-tbpo"])
+    row = pairs["qarl-tbpo"]  # seed 3 has no quantized-rollout partner: left out
+    assert row["seeds"] == [0, 1, 2] and row["final_accuracy"]["wins"] == 2
+    assert row["final_accuracy"]["mean"] == pytest.approx((0.05 + 0.10 + 0.0) / 3)
+    assert row["final_accuracy"]["ci95"] == pytest.approx(4.302653 * 0.05 / 3**0.5, rel=1e-5)
+    assert list(pairs) == ["qarl-tbpo"]
+
+
 def test_bad_arm_is_rejected(capsys):
     with pytest.raises(SystemExit):
         replicate.main(["--arms", "bf16,fp8-rollout"])
@@ -55,6 +74,8 @@ def test_run_summary_figures(tmp_path):
         rows.append(
             {"step": step, "reward_mean": step / 10, "train/mismatch_kl_k3": 0.01, "time/step_s": 2.0}
         )
+    for step in range(1, 11):  # one update five times the median gradient norm and more: a spike
+        rows[step]["train/grad_norm"] = 11.0 if step == 7 else 2.0
     rows[5]["eval/accuracy"] = 0.8
     rows[10].update({"eval/accuracy": 0.3, "eval_bf16/accuracy": 0.6})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -62,6 +83,7 @@ def test_run_summary_figures(tmp_path):
     assert (s["initial_accuracy"], s["best_accuracy"], s["final_accuracy"]) == (0.4, 0.8, 0.3)
     assert s["final_accuracy_bf16"] == 0.6 and s["collapsed"]  # 0.3 < half of the 0.8 peak
     assert s["reward_gain"] == pytest.approx(0.95 - 0.15) and s["step_s"] == 2.0
+    assert s["grad_spikes"] == 1 and s["reward_drawdown"] == 0.0  # the reward only rose
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
         summary.run_summary(tmp_path, "bf16", 0)

@@ -1,4 +1,4 @@
-"""``python -m qarl_jax.experiments.replicate [--arms A,B] [--seeds 0,1,2] [--quick]``
+"""``python -m qarl_jax.experiments.replicate [--config FILE] [--arms A,B] [--seeds 0,1,2] [--quick]``
 
 The paper's central comparison at a size that runs on two CPU cores: the same starting policy
 (``qarl_jax/assets/policy_long``, fine-tuned in full precision, never quantized), the same data and
@@ -10,8 +10,9 @@ the same number of RL steps, with several minibatch updates per rollout batch, u
 - ``qarl-grpo``: the aligned w4a16 forward (rollout and training log-probs bitwise equal), GRPO;
 - ``qarl-tbpo``: the aligned w4a16 forward, TBPO (the paper's method).
 
-Each (arm, seed) is one ordinary training run (``configs/replication.yaml`` plus the arm's
-overrides) in ``OUT/runs/<arm>/seed<k>/``; a finished run leaves ``run_summary.json`` there and is
+Each (arm, seed) is one ordinary training run (the study's config, default
+``configs/replication.yaml``; ``configs/replication_long.yaml`` is the long-response study, plus the
+arm's overrides) in ``OUT/runs/<arm>/seed<k>/``; a finished run leaves ``run_summary.json`` there and is
 skipped next time, an interrupted one resumes from its checkpoint, so the grid can be completed
 across sessions. After every run ``OUT/summary.json`` and ``OUT/summary.md`` are rewritten from all
 finished runs (``--summarize`` recomputes them without training). ``--quick``: one seed, a few
@@ -60,14 +61,14 @@ def resummarize(out: pathlib.Path) -> None:
         done.write_text(json.dumps(fresh, indent=2) + "\n")
 
 
-def run_one(out: pathlib.Path, arm: str, seed: int, extra: list[str]) -> dict:
-    """Train one (arm, seed) unless its summary exists; return the run's summary."""
+def run_one(out: pathlib.Path, arm: str, seed: int, extra: list[str], base: pathlib.Path = BASE_CONFIG) -> dict:
+    """Train one (arm, seed) of the study ``base`` unless its summary exists; return its summary."""
     directory = run_dir(out, arm, seed)
     done = directory / "run_summary.json"
     if done.exists():
         return json.loads(done.read_text())
     overrides = [*ARMS[arm], f"seed={seed}", f"run.output_dir={directory}", *extra]
-    config = load_config(BASE_CONFIG, overrides)
+    config = load_config(base, overrides)
     start = time.perf_counter()
     train(config)
     summary = run_summary(directory, arm, seed) | {"wall_s": time.perf_counter() - start}
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
     parser.add_argument("--quick", action="store_true", help="one seed, 3 steps: a smoke test")
-    parser.add_argument("--out", help="results folder (default results/replication[-quick])")
+    parser.add_argument("--config", default=str(BASE_CONFIG), help="the study's shared settings")
+    parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
     parser.add_argument("--summarize", action="store_true", help="only recompute the summaries (no training)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every arm, e.g. run.steps=50")
     args = parser.parse_args(argv)
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if args.quick:
         seeds = seeds[:1]
-    out = pathlib.Path(args.out or ("results/replication-quick" if args.quick else "results/replication"))
+    base = pathlib.Path(args.config)
+    out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
     if args.summarize:
         if not any(out.glob("runs/*/seed*/run_summary.json")):
             parser.error(f"--summarize: no finished runs under {out}/runs")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (arm, seed) in enumerate(grid, 1):
         print(f"[{i}/{len(grid)}] arm={arm} seed={seed} -> {run_dir(out, arm, seed)}", flush=True)
         try:
-            summary = run_one(out, arm, seed, extra)
+            summary = run_one(out, arm, seed, extra, base)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

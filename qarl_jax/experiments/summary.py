@@ -1,11 +1,15 @@
-"""Per-run and per-arm figures of the replication experiment, from the runs' ``metrics.jsonl``.
+"""Per-run and per-arm figures of the replication experiments, from the runs' ``metrics.jsonl``.
 
 Per run: held-out greedy accuracy of the policy as deployed (final, best, and the mean over the
 evals after step 0, which shows how fast it learned; the bf16 accuracy of the same weights beside
 it), reward gain (mean of the last 20% of steps minus the first 20%), rollout-vs-training mismatch
 (k3 KL, mean over steps), policy entropy, error-sequence rate, collapse (the deployed accuracy
-ending more than 50% below its peak) and seconds per step. Per arm: mean and
-standard deviation over the finished seeds. The verdict compares the arms the paper compares.
+ending more than 50% below its peak), stability (``reward_drawdown``: the largest fall of the
+10-step rolling mean reward below its running peak; ``grad_spikes``: updates whose gradient norm
+exceeds ``SPIKE_FACTOR`` times the run's median) and seconds per step. Per arm: mean, standard
+deviation and a 95% Student-t interval of the mean over the finished seeds. Paired: each arm minus
+``quantized-rollout`` on the seeds both finished (the same data and rollout keys), mean difference
+with its 95% interval. The verdict compares the arms the paper compares.
 """
 
 from __future__ import annotations
@@ -35,9 +39,32 @@ FIGURES = (
     "entropy",
     "error_seq_frac",
     "collapsed",
+    "reward_drawdown",
+    "grad_spikes",
     "step_s",
 )
 COLLAPSE_FRACTION = 0.5
+SPIKE_FACTOR = 5.0
+BASELINE = "quantized-rollout"  # the arm the paired comparisons subtract
+PAIRED = ("final_accuracy", "mean_accuracy")
+
+
+def interval95(values: list[float]) -> float | None:
+    """Half-width of the 95% Student-t interval of the mean of ``values`` (None below 2 values)."""
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        return None
+    return float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
+
+
+def _drawdown(values: np.ndarray, window: int = 10) -> float:
+    """The largest fall of the rolling mean below its running peak."""
+    if not len(values):
+        return 0.0
+    smooth = runlog.rolling_mean(values, window)
+    return float(np.max(np.maximum.accumulate(smooth) - smooth))
 
 
 def _mean(run: RunLog, key: str) -> float | None:
@@ -52,6 +79,7 @@ def run_summary(directory: pathlib.Path, arm: str, seed: int) -> dict:
     eval_steps, accuracy = run.series("eval/accuracy")
     bf16 = base["eval_bf16_final"]
     peak = float(accuracy.max())
+    grads = run.series("train/grad_norm")[1]
     return {
         "arm": arm,
         "seed": seed,
@@ -69,6 +97,8 @@ def run_summary(directory: pathlib.Path, arm: str, seed: int) -> dict:
         "entropy": _mean(run, "train/policy_entropy"),
         "error_seq_frac": _mean(run, "train/error_seq_frac"),
         "collapsed": bool(peak > 0 and accuracy[-1] < (1 - COLLAPSE_FRACTION) * peak),
+        "reward_drawdown": _drawdown(run.series("reward_mean")[1]),
+        "grad_spikes": int(np.sum(grads > SPIKE_FACTOR * np.median(grads))) if len(grads) else 0,
         "step_s": _mean(run, "time/step_s"),
     }
 
@@ -82,15 +112,39 @@ def arm_table(runs: list[dict], arms: list[str]) -> dict[str, dict]:
             continue
         row: dict = {"seeds": sorted(r["seed"] for r in mine)}
         for key in FIGURES:
-            values = [float(r[key]) for r in mine if r[key] is not None]
+            values = [float(r[key]) for r in mine if r.get(key) is not None]
             if values:
                 row[key] = {"mean": float(np.mean(values)), "std": float(np.std(values))}
+                row[key]["ci95"] = interval95(values)
         table[arm] = row
     return table
 
 
-def verdict(table: dict[str, dict]) -> dict:
-    """The paper's ordering, bf16 ~ qarl-tbpo > quantized-rollout, tested on final deployed accuracy."""
+def paired(runs: list[dict], arms: list[str]) -> dict[str, dict]:
+    """Each arm minus :data:`BASELINE` on their common seeds: per figure of :data:`PAIRED`, the mean
+    difference, its 95% interval, the seeds and how many of them the arm won."""
+    base = {r["seed"]: r for r in runs if r["arm"] == BASELINE}
+    out = {}
+    for arm in arms:
+        mine = {r["seed"]: r for r in runs if r["arm"] == arm}
+        seeds = sorted(set(mine) & set(base))
+        if arm == BASELINE or not seeds:
+            continue
+        row: dict = {"seeds": seeds}
+        for key in PAIRED:
+            diffs = [float(mine[s][key]) - float(base[s][key]) for s in seeds]
+            row[key] = {
+                "mean": float(np.mean(diffs)),
+                "ci95": interval95(diffs),
+                "wins": int(sum(d > 0 for d in diffs)),
+            }
+        out[arm] = row
+    return out
+
+
+def verdict(table: dict[str, dict], pairs: dict[str, dict] | None = None) -> dict:
+    """The paper's ordering, bf16 ~ qarl-tbpo > quantized-rollout, tested on final deployed accuracy;
+    with ``pairs`` (:func:`paired`) also whether qarl-tbpo's paired gain's 95% interval excludes 0."""
     acc = {arm: row["final_accuracy"]["mean"] for arm, row in table.items() if "final_accuracy" in row}
     needed = ("bf16", "quantized-rollout", "qarl-tbpo")
     if not all(a in acc for a in needed):
@@ -115,9 +169,21 @@ def verdict(table: dict[str, dict]) -> dict:
         + f" The seed spread (std) of these arms' final accuracy is up to {spread:.3f}: the differences "
         + ("exceed it." if resolved else "are within it, so these seeds do not resolve them.")
     )
+    tbpo = (pairs or {}).get("qarl-tbpo", {}).get("final_accuracy")
+    significant = None
+    if tbpo is not None and tbpo["ci95"] is not None:
+        low, high = tbpo["mean"] - tbpo["ci95"], tbpo["mean"] + tbpo["ci95"]
+        significant = low > 0 or high < 0
+        n = len(pairs["qarl-tbpo"]["seeds"])  # type: ignore[index]
+        text += (
+            f" Paired over {n} seeds, qarl-tbpo minus quantized-rollout is {tbpo['mean']:+.3f} "
+            f"(95% interval {low:+.3f} to {high:+.3f}, qarl-tbpo ahead on {tbpo['wins']} of {n}): "
+            + ("the interval excludes 0." if significant else "the interval includes 0.")
+        )
     return {
         "complete": True,
         "reproduced": reproduced,
+        "paired_significant": significant,
         "qarl_tbpo_minus_quantized_rollout": gain,
         "bf16_minus_qarl_tbpo": gap,
         "fraction_of_gap_recovered": recovered,
@@ -134,13 +200,13 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return f"{m:{fmt}} ± {s:{fmt.lstrip('+')}}" if len(row["seeds"]) > 1 else f"{m:{fmt}}"
 
 
-def markdown(table: dict[str, dict], result: dict) -> str:
+def markdown(table: dict[str, dict], result: dict, pairs: dict[str, dict] | None = None) -> str:
     head = (
         "| arm | seeds | final acc. (deployed) | best acc. | mean acc. over evals | final acc. bf16 weights "
         "| reward gain "
-        "| mismatch KL (k3) | entropy | error seqs | collapsed runs | s/step |"
+        "| mismatch KL (k3) | entropy | error seqs | collapsed runs | reward drawdown | grad spikes | s/step |"
     )
-    lines = [head, "| " + " | ".join(["---"] * 12) + " |"]
+    lines = [head, "| " + " | ".join(["---"] * 14) + " |"]
     for arm, row in table.items():
         collapsed = f"{row['collapsed']['mean'] * len(row['seeds']):.0f}/{len(row['seeds'])}"
         cells = [
@@ -155,9 +221,21 @@ def markdown(table: dict[str, dict], result: dict) -> str:
             _cell(row, "entropy", ".3f"),
             _cell(row, "error_seq_frac", ".3f"),
             collapsed,
+            _cell(row, "reward_drawdown", ".3f"),
+            _cell(row, "grad_spikes", ".1f"),
             _cell(row, "step_s", ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if pairs:
+        lines += ["", f"Paired against `{BASELINE}` (same seeds), mean difference [95% interval], seeds won:", ""]
+        lines += ["| arm | seeds | final acc. | mean acc. over evals |", "| --- | --- | --- | --- |"]
+        for arm, row in pairs.items():
+            cells = [arm, ",".join(map(str, row["seeds"]))]
+            for key in PAIRED:
+                d, ci = row[key]["mean"], row[key]["ci95"]
+                band = "" if ci is None else f" [{d - ci:+.3f}, {d + ci:+.3f}]"
+                cells.append(f"{d:+.3f}{band}, {row[key]['wins']}/{len(row['seeds'])}")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + result["text"] + "\n"
 
 
@@ -165,10 +243,13 @@ def write_summary(out: pathlib.Path, arms: list[str]) -> dict:
     """Rewrite ``summary.json`` and ``summary.md`` from every finished run under ``out/runs``."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/*/seed*/run_summary.json"))]
     table = arm_table(runs, arms)
-    result = verdict(table)
-    summary = {"arms": table, "verdict": result, "runs": runs, "paper": PAPER}
+    pairs = paired(runs, arms)
+    result = verdict(table, pairs)
+    summary = {"arms": table, "paired": pairs, "verdict": result, "runs": runs, "paper": PAPER}
+    if (out / "sweep.json").exists():  # the regime sweep's records (qarl_jax.experiments.regime)
+        summary["sweep"] = json.loads((out / "sweep.json").read_text())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(markdown(table, result))
+    (out / "summary.md").write_text(markdown(table, result, pairs))
     plot(out, [a for a in arms if a in table], runs)
     return summary
 

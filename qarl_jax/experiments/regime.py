@@ -1,0 +1,133 @@
+"""``python -m qarl_jax.experiments.regime [--config FILE] [--out DIR] [--quick]``: where quantized
+rollouts hurt, measured at step 0 before any RL.
+
+Each cell is a starting policy on its task (the response length) under one quantization format,
+run as the quantized-rollout arm's first step (``quant.mode=naive``: the rollout decodes the
+quantized weights, the training forward scores its samples at full precision) with
+``run.eval_bf16``, so one ordinary one-step run measures everything:
+
+- ``mismatch_kl``: k3 KL(rollout || full-precision training forward) over the first rollout batch;
+- ``error_seq_frac``, ``repetition_frac``, ``low_prob_token_frac``: the error-token rates
+  (:mod:`qarl_jax.rl.metrics`) of those samples;
+- ``accuracy_quantized``, ``accuracy_bf16`` and their ``accuracy_drop``: held-out greedy accuracy of
+  the policy as quantized against its bf16 weights (the same weights, the unquantized format).
+
+Every cell lands in ``OUT/sweep.json`` (a finished cell is skipped next time: the sweep resumes),
+with the pick: among the cells whose mismatch is at least ``KL_FACTOR`` times the short-answer
+study's (2.4e-3) or whose error sequences reach ``ERROR_FLOOR`` of the responses, the one whose
+quantized policy keeps the highest accuracy (RL needs rewards to learn from), and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from qarl_jax.config import ConfigError, load_config
+from qarl_jax.runlog import load_run
+from qarl_jax.train import train
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SHORT_STUDY_KL = 2.4e-3  # the naive arm's mismatch in results/replication (~40-token answers)
+KL_FACTOR, ERROR_FLOOR = 10.0, 0.01
+# the task and policy of each response length (the 4-step policy answers in ~40 tokens, the
+# 24-step chain policy in ~200), over the same base config's run settings
+LENGTHS: dict[str, list[str]] = {
+    "steps4": ["model.path=package:assets/policy_long", "data.synthetic.steps=4"],
+    "steps12": ["model.path=package:assets/policy_chain", "data.synthetic.steps=12"],
+    "steps24": ["model.path=package:assets/policy_chain", "data.synthetic.steps=24"],
+}
+FORMATS: dict[str, list[str]] = {  # mildest first
+    "w8a8": ["quant.fmt=w8a8"],
+    "w4a16-g32": ["quant.fmt=w4a16", "quant.group_size=32"],
+    "w4a16-g128": ["quant.fmt=w4a16"],
+    "w4a8-g128": ["quant.fmt=w4a8"],
+}
+STEP0 = ["quant.mode=naive", "objective.name=grpo", "run.steps=1", "run.eval_every=0", "run.eval_bf16=true"]
+STEP0 += ["run.checkpoint_every=0", "run.tensorboard=false", "run.progress=false"]
+QUICK = ["run.eval_prompts=8", "data.batch_size=2", "rollout.max_new_tokens=48"]
+
+
+def measure(base: pathlib.Path, out: pathlib.Path, length: str, fmt: str, extra: list[str]) -> dict:
+    """One cell's figures (run once; read back from its run directory afterwards)."""
+    directory = out / "sweep" / f"{length}-{fmt}"
+    if not (directory / "metrics.jsonl").exists() or len(load_run(directory).rows) < 2:
+        overrides = [*LENGTHS[length], *FORMATS[fmt], *STEP0, f"run.output_dir={directory}"]
+        train(load_config(base, [*overrides, "run.overwrite=true", *extra]))
+    before, first = load_run(directory).rows[:2]
+    return {
+        "length": length,
+        "format": fmt,
+        "response_length": first["response_length"],
+        "truncated_frac": first["truncated_frac"],
+        "mismatch_kl": first["train/mismatch_kl_k3"],
+        "error_seq_frac": first["train/error_seq_frac"],
+        "repetition_frac": first["train/repetition_frac"],
+        "low_prob_token_frac": first["train/low_prob_token_frac"],
+        "accuracy_quantized": before["eval/accuracy"],
+        "accuracy_bf16": before["eval_bf16/accuracy"],
+        "accuracy_drop": before["eval_bf16/accuracy"] - before["eval/accuracy"],
+        "step_s": first["time/step_s"],
+    }
+
+
+def pick(cells: list[dict]) -> dict:
+    """The regime for the arms, and why (see the module docstring)."""
+    floor = KL_FACTOR * SHORT_STUDY_KL
+    strong = [c for c in cells if c["mismatch_kl"] >= floor or c["error_seq_frac"] >= ERROR_FLOOR]
+    if not strong:
+        worst = max(cells, key=lambda c: c["mismatch_kl"])
+        return {
+            "found": False,
+            "why": f"no cell reaches KL >= {floor:.1e} or error sequences >= {ERROR_FLOOR:.0%}; the "
+            f"largest mismatch is {worst['length']} {worst['format']} (KL {worst['mismatch_kl']:.2e})",
+        }
+    best = max(strong, key=lambda c: (c["accuracy_quantized"], c["mismatch_kl"]))
+    return {
+        "found": True,
+        "length": best["length"],
+        "format": best["format"],
+        "why": f"{len(strong)} of {len(cells)} cells reach KL >= {floor:.1e} or error sequences >= "
+        f"{ERROR_FLOOR:.0%}; of those {best['length']} {best['format']} keeps the most quantized "
+        f"accuracy ({best['accuracy_quantized']:.3f}, bf16 {best['accuracy_bf16']:.3f}) with KL "
+        f"{best['mismatch_kl']:.2e} ({best['mismatch_kl'] / SHORT_STUDY_KL:.0f}x the short-answer "
+        f"study's) and error sequences {best['error_seq_frac']:.1%}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qarl_jax.experiments.regime", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--config", default=str(REPO / "configs" / "replication_long.yaml"))
+    parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
+    parser.add_argument("--lengths", default=",".join(LENGTHS), help=f"comma-separated, from {list(LENGTHS)}")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {list(FORMATS)}")
+    parser.add_argument("--quick", action="store_true", help="few prompts, short answers: a smoke test")
+    args = parser.parse_args(argv)
+    lengths, formats = args.lengths.split(","), args.formats.split(",")
+    for given, known in ((lengths, LENGTHS), (formats, FORMATS)):
+        if unknown := sorted(set(given) - set(known)):
+            parser.error(f"unknown {unknown[0]!r}; available: {list(known)}")
+    base = pathlib.Path(args.config)
+    out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
+    cells = []
+    for length in lengths:
+        for fmt in formats:
+            print(f"[{len(cells) + 1}/{len(lengths) * len(formats)}] {length} {fmt}", flush=True)
+            try:
+                cells.append(measure(base, out, length, fmt, QUICK if args.quick else []))
+            except ConfigError as e:
+                print(f"config error: {e}", file=sys.stderr)
+                return 2
+            record = {"cells": cells, "pick": pick(cells), "kl_floor": KL_FACTOR * SHORT_STUDY_KL}
+            (out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+            print(json.dumps(cells[-1]), flush=True)
+    print(record["pick"]["why"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

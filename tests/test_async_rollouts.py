@@ -70,6 +70,7 @@ def test_overlapped_run_equals_its_sequential_reference(overlapped, tmp_path):
 def test_sigkill_mid_run_then_rerun_resumes_exactly(overlapped, tmp_path):
     ref_dir, _ = overlapped
     cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *ASYNC]
+    cmd.append(f"run.compilation_cache_dir={jax.config.jax_compilation_cache_dir}")  # the module's programs
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -56,10 +56,8 @@ def compilation_cache(module_compilation_cache):
     """This module's runs recompile the same programs: they share them through the persistent cache."""
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multihost")
-    run, export = out / "run", out / "hf"
+def launch(run: pathlib.Path, overrides: list[str], extra: list[str] = ()) -> list[dict]:
+    """The CLI on two processes of two CPU devices each; their printed summaries."""
     port = free_port()
     env = dict(
         os.environ,
@@ -69,8 +67,8 @@ def two_process_run(tmp_path_factory):
     )
     procs = []
     for i in range(2):
-        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *OVERRIDES]
-        argv += ["--export-hf", str(export), "--coordinator", f"localhost:{port}"]
+        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *overrides]
+        argv += [*extra, "--coordinator", f"localhost:{port}"]
         argv += ["--num-processes", "2", "--process-id", str(i)]
         procs.append(
             subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -87,7 +85,30 @@ def two_process_run(tmp_path_factory):
                 p.wait()
     for i, (rc, _, stderr) in enumerate(results):
         assert rc == 0, f"process {i} exited {rc}:\n{stderr[-3000:]}"
-    return run, export, [summary(stdout) for _, stdout, _ in results]
+    return [summary(stdout) for _, stdout, _ in results]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multihost")
+    run, export = out / "run", out / "hf"
+    return run, export, launch(run, OVERRIDES, ["--export-hf", str(export)])
+
+
+@pytest.mark.slow
+def test_two_processes_with_rollouts_on_devices_of_their_own(tmp_path):
+    """One-step-off rollouts on each host's first device, training on the other two (fsdp across
+    the hosts): both processes agree, the behaviour log-probs stay exact, each host's waiting batch
+    is checkpointed."""
+    run = tmp_path / "run"
+    async_ = ["rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2", "run.checkpoint_every=1"]
+    first, second = launch(run, [*OVERRIDES[:-1], *async_, "run.steps=3"])
+    assert without_time(first["final"]) == without_time(second["final"])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("rollout/staleness") for m in lines] == [None, 0, 1, 1]
+    assert all(m["train/mismatch_frac_bitwise_equal"] == 1.0 for m in lines[1:])
+    saved = json.loads((run / "checkpoints" / "2" / "data" / "metadata").read_text())
+    assert [len(p["pending"]) for p in saved["processes"]] == [1, 1]
 
 
 @pytest.mark.slow

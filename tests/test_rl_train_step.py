@@ -229,6 +229,35 @@ def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup
         Trainer(naive, ObjectiveConfig(), TrainConfig(old_logprobs="rollout"), OptimizerConfig())
 
 
+def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup):
+    """A batch the weights one update old rolled out (asynchronous rollouts): with pi_old the
+    behaviour policy (auto, aligned) the correction weight is exactly 1 and the drift shows as
+    ``staleness_*``; ``behaviour_check`` at the frozen behaviour weights is bitwise aligned; with the
+    proximal policy (recompute) the capped weight pi_prox / pi_behav carries the staleness."""
+    model, params, batch = setup
+    make = lambda mode: Trainer(  # noqa: E731
+        model,
+        ObjectiveConfig(),
+        TrainConfig(num_minibatches=2, old_logprobs=mode, assert_aligned=True),
+        OptimizerConfig(learning_rate=3e-3),
+    )
+    behaviour = make("auto")
+    moved, _ = behaviour.train_on_rollouts(behaviour.init_state(params), batch, np.random.default_rng(0))
+    frozen = quant.quantize_params(params, model.quant)  # what the engine ran
+    check = behaviour.behaviour_check(frozen, batch)
+    assert check["mismatch_frac_bitwise_equal"] == 1.0 and check["mismatch_kl_k3"] == 0.0
+    for mode, trainer in (("auto", behaviour), ("recompute", make("recompute"))):
+        state = trainer.init_state(moved.params)
+        _, history = trainer.train_on_rollouts(state, batch, np.random.default_rng(1), stale=True)
+        first = jax.device_get(history[0])
+        assert not any(k.startswith("mismatch_") for k in first)
+        assert float(first["staleness_kl_k3"]) > 0 and float(first["staleness_frac_bitwise_equal"]) < 1
+        if mode == "auto":  # pi_old = pi_behav = the rollout's log-probs: w == 1 exactly
+            assert float(first["is_weight_mean"]) == 1.0
+        else:  # pi_old = pi_prox, the moved weights: w = pi_prox / pi_behav, not 1
+            assert float(first["is_weight_mean"]) != 1.0
+
+
 def test_micro_batches_accumulate_to_the_same_gradient(setup):
     """Sequence-mean aggregation: the mean of two half-batch gradients is the full-batch gradient."""
     model, params, batch = setup

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {unknown[0]!r}; available: {list(known)}")
     base = pathlib.Path(args.config)
     out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
-    cells = []
+    cells: list[dict] = []
+    record: dict = {}
     for length in lengths:
         for fmt in formats:
             print(f"[{len(cells) + 1}/{len(lengths) * len(formats)}] {length} {fmt}", flush=True)

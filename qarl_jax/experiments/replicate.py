@@ -61,7 +61,9 @@ def resummarize(out: pathlib.Path) -> None:
         done.write_text(json.dumps(fresh, indent=2) + "\n")
 
 
-def run_one(out: pathlib.Path, arm: str, seed: int, extra: list[str], base: pathlib.Path = BASE_CONFIG) -> dict:
+def run_one(
+    out: pathlib.Path, arm: str, seed: int, extra: list[str], base: pathlib.Path = BASE_CONFIG
+) -> dict:
     """Train one (arm, seed) of the study ``base`` unless its summary exists; return its summary."""
     directory = run_dir(out, arm, seed)
     done = directory / "run_summary.json"

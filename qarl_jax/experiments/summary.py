@@ -203,8 +203,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 def markdown(table: dict[str, dict], result: dict, pairs: dict[str, dict] | None = None) -> str:
     head = (
         "| arm | seeds | final acc. (deployed) | best acc. | mean acc. over evals | final acc. bf16 weights "
-        "| reward gain "
-        "| mismatch KL (k3) | entropy | error seqs | collapsed runs | reward drawdown | grad spikes | s/step |"
+        "| reward gain | mismatch KL (k3) | entropy | error seqs | collapsed runs | reward drawdown "
+        "| grad spikes | s/step |"
     )
     lines = [head, "| " + " | ".join(["---"] * 14) + " |"]
     for arm, row in table.items():
@@ -227,7 +227,8 @@ def markdown(table: dict[str, dict], result: dict, pairs: dict[str, dict] | None
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if pairs:
-        lines += ["", f"Paired against `{BASELINE}` (same seeds), mean difference [95% interval], seeds won:", ""]
+        title = f"Paired against `{BASELINE}` (same seeds), mean difference [95% interval], seeds won:"
+        lines += ["", title, ""]
         lines += ["| arm | seeds | final acc. | mean acc. over evals |", "| --- | --- | --- | --- |"]
         for arm, row in pairs.items():
             cells = [arm, ",".join(map(str, row["seeds"]))]

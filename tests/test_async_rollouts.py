@@ -22,7 +22,7 @@ from qarl_jax.rollout.overlap import PhaseClock, Produced, run_phases
 from qarl_jax.train import train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
-STEPS = 4
+STEPS = 3
 # 8 fake devices: 4 decode, 4 train; two updates per batch so the policy moves within a step
 ASYNC = ["rollout.async_steps=1", "rollout.devices=4", "train.num_minibatches=2", f"run.steps={STEPS}"]
 ASYNC += ["run.checkpoint_every=1", "run.eval_every=2", "train.assert_aligned=true"]
@@ -50,7 +50,7 @@ def test_overlapped_run_equals_its_sequential_reference(overlapped, tmp_path):
     steps = lines[1:]
     # batch 0 and batch 1 were both rolled out by the initial weights; each later batch by the
     # weights one update old
-    assert [m["rollout/staleness"] for m in steps] == [0, 1, 1, 1]
+    assert [m["rollout/staleness"] for m in steps] == [0, 1, 1]
     for m in steps:  # the behaviour log-probs are exact: the training forward at those weights
         assert m["train/mismatch_frac_bitwise_equal"] == 1.0 and m["train/mismatch_kl_k3"] == 0.0
         assert m["train/skipped"] == 0.0 and m["time/train_busy"] > 0
@@ -72,10 +72,9 @@ def test_sigkill_mid_run_then_rerun_resumes_exactly(overlapped, tmp_path):
     cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *ASYNC]
     cmd.append(f"run.compilation_cache_dir={jax.config.jax_compilation_cache_dir}")  # the module's programs
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:  # eval line + 2 steps
+        if (tmp_path / "checkpoints" / "1" / "commit_success.txt").exists():  # killed after step 1's save
             break
         time.sleep(0.2)
     assert proc.poll() is None, (

@@ -102,12 +102,12 @@ def test_two_processes_with_rollouts_on_devices_of_their_own(tmp_path):
     is checkpointed."""
     run = tmp_path / "run"
     async_ = ["rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2", "run.checkpoint_every=1"]
-    first, second = launch(run, [*OVERRIDES[:-1], *async_, "run.steps=3"])
+    first, second = launch(run, [*OVERRIDES[:-1], *async_])
     assert without_time(first["final"]) == without_time(second["final"])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m.get("rollout/staleness") for m in lines] == [None, 0, 1, 1]
+    assert [m.get("rollout/staleness") for m in lines] == [None, 0, 1]
     assert all(m["train/mismatch_frac_bitwise_equal"] == 1.0 for m in lines[1:])
-    saved = json.loads((run / "checkpoints" / "2" / "data" / "metadata").read_text())
+    saved = json.loads((run / "checkpoints" / "1" / "data" / "metadata").read_text())
     assert [len(p["pending"]) for p in saved["processes"]] == [1, 1]
 
 

@@ -7,7 +7,7 @@ It trains the same model code through the same training forward the RL step uses
 quantized kernels with a straight-through backward), so the deployed quantized policy is the one
 that was trained. It stops at the first held-out greedy eval reaching ``target_accuracy`` (a partial
 accuracy leaves RL something to improve) and writes a Hugging Face directory with ``save_pretrained``
-plus the tokenizer.json.
+plus the tokenizer.json, at every eval (a run cut short goes on from its last one with ``model.path``).
 """
 
 from __future__ import annotations
@@ -122,9 +122,10 @@ def sft(config: SftConfig) -> dict:
             )
             history.append({"step": i, "loss": float(loss), **ev})
             print(json.dumps(history[-1]), flush=True)
+            # the policy so far, at every eval: a long fine-tune cut short goes on from it (model.path)
+            save_pretrained(config.output_dir, model.config, jax.device_get(params), tokenizer)
             if ev["eval/accuracy"] >= config.target_accuracy:
                 break
-    save_pretrained(config.output_dir, model.config, jax.device_get(params), tokenizer)
     return {"output_dir": config.output_dir, **history[-1]}
 
 

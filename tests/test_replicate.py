@@ -130,13 +130,15 @@ def test_regime_pick_takes_the_strong_cell_that_keeps_the_most_accuracy():
                 "accuracy_quantized": acc, "accuracy_bf16": 0.9}  # fmt: skip
 
     cells = [
-        cell("steps4", "w4a16-g128", 2.4e-3, 0.0, 0.85),  # today's regime: too mild
+        cell("steps4", "bf16", 0.0, 0.05, 0.85),  # sampling noise: 5% of responses hold a rare token
+        cell("steps4", "w4a16-g128", 2.4e-3, 0.055, 0.85),  # today's regime: too mild
         cell("steps24", "w4a16-g128", 3.0e-2, 0.0, 0.40),  # 12.5x today's mismatch
         cell("steps24", "w4a8-g128", 9.0e-2, 0.20, 0.10),  # harsher, but little left to learn from
-        cell("steps12", "w8a8", 1.0e-3, 0.015, 0.60),  # mild mismatch, 1.5% error sequences
+        cell("steps12", "bf16", 0.0, 0.02, 0.70),
+        cell("steps12", "w8a8", 1.0e-3, 0.035, 0.60),  # mild mismatch, 1.5% more error sequences
     ]
     chosen = regime.pick(cells)
     assert chosen["found"] and (chosen["length"], chosen["format"]) == ("steps12", "w8a8")
-    assert "3 of 4 cells" in chosen["why"] and "error sequences 1.5%" in chosen["why"]
-    none = regime.pick(cells[:1])
+    assert "3 of 4 quantized cells" in chosen["why"] and "3.5% (+1.5% over bf16)" in chosen["why"]
+    none = regime.pick(cells[:2])  # +0.5% over bf16 and 1x today's mismatch: not strong
     assert not none["found"] and "largest mismatch is steps4 w4a16-g128" in none["why"]

@@ -181,8 +181,9 @@ class Loop:
         def train():
             new_state, history, length = self.learn(state, trained, step)
             new_frozen = self.quantize(new_state.params)
-            # on their own devices the new weights travel while the engine still decodes
-            staged = self.engine.stage_params(self.place(new_frozen)) if separate else None
+            staged = None
+            if separate:  # on their own devices the new weights travel while the engine still decodes
+                staged = self.engine.stage_params(self.place(new_frozen), donate=not self.trainer.aligned)
             return new_state, history, length, new_frozen, staged
 
         produced, (state, history, length, new_frozen, staged) = run_phases(

@@ -235,8 +235,11 @@ class WeightSync:
         """``frozen`` on the engine's layout (``donate``: its arrays may be consumed by the move)."""
         start = time.perf_counter()
         moved = self.received(frozen)
-        out = jax.block_until_ready(jax.device_put(frozen, self.shardings, donate=donate))
-        if donate:  # a backend may copy instead of donating: the source copy goes now, not later
+        # not donate=True: a source donated to other devices is left invalid but not deleted, and
+        # reading its buffers then crashed the process (XLA:CPU, disjoint device groups); the
+        # resharding copies anyway, so the sources are deleted right after, unless they are the output
+        out = jax.block_until_ready(jax.device_put(frozen, self.shardings))
+        if donate:
             kept = {p for x in jax.tree.leaves(out) for p in _buffers(x)}
             for x in jax.tree.leaves(frozen):
                 if isinstance(x, jax.Array) and not x.is_deleted() and not kept & _buffers(x):

@@ -141,5 +141,6 @@ def test_regime_pick_takes_the_strong_cell_that_keeps_the_most_accuracy():
     assert chosen["found"] and (chosen["length"], chosen["format"]) == ("steps12", "w8a8")
     assert "3 of 4 quantized cells" in chosen["why"] and "3.5% (+1.5% over bf16)" in chosen["why"]
     assert "reach KL >= 2.4e-02" in chosen["why"]  # 10x the steps4 w4a16-g128 cell's 2.4e-3
+    assert not regime.pick(cells[:1])["found"]  # the bf16 cell alone: nothing to pick yet
     none = regime.pick(cells[:2])  # +0.5% over bf16 and 1x today's mismatch: not strong
     assert not none["found"] and "largest mismatch is steps4 w4a16-g128" in none["why"]

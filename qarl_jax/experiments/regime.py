@@ -103,6 +103,8 @@ def pick(cells: list[dict]) -> dict:
     floor = KL_FACTOR * base
     excess_errors(cells)
     quantized = [c for c in cells if c["format"] != "bf16"]
+    if not quantized:
+        return {"found": False, "why": "no quantized cell measured yet"}
     strong = [c for c in quantized if c["mismatch_kl"] >= floor or c["error_seq_excess"] >= ERROR_FLOOR]
     if not strong:
         worst = max(quantized, key=lambda c: c["mismatch_kl"])

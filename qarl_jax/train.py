@@ -138,7 +138,8 @@ class Loop:
 
     def learn(self, state, produced: Produced, step: int):
         """The updates on one produced batch: (new state, per-update metrics, padded length)."""
-        train_batch, length = self.training_batch(produced)
+        train_batch, length = produced.batch or self.training_batch(produced)
+        produced.batch = None  # trained on: its arrays go
         rng = np.random.default_rng(step_seed(self.config.seed, step))
         stale = produced.version < step
         state, history = self.trainer.train_on_rollouts(state, train_batch, rng, stale=stale)
@@ -148,8 +149,8 @@ class Loop:
         """Asynchronous rollouts, aligned: the alignment check of a batch that step ``step`` will
         train on, made now, at the weights that rolled it out (``frozen``, training layout)."""
         if produced.version < step and self.trainer.aligned:
-            batch, _ = self.training_batch(produced)
-            produced.check = self.trainer.behaviour_check(frozen, batch)
+            produced.batch = self.training_batch(produced)
+            produced.check = self.trainer.behaviour_check(frozen, produced.batch[0])
 
     def step(self, state, batch: dict, step: int, more: Callable[[], dict] | None = None):
         """One RL step on this process's prompt batch (``more()``: the next one, for dynamic

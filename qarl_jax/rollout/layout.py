@@ -209,8 +209,8 @@ def _overlap(a: slice, b: slice, n: int) -> int:
 
 class WeightSync:
     """Moves each step's frozen weights from the training layout to the engine's in one resharding
-    (``jax.device_put`` of the whole tree, the training-layout copy donated); records its time and
-    the bytes the busiest device receives (:meth:`metrics`)."""
+    (``jax.device_put`` of the whole tree, the training-layout copy deleted after it); records its
+    time and the bytes the busiest device receives (:meth:`metrics`)."""
 
     def __init__(self, shardings):
         self.shardings = shardings

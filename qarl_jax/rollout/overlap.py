@@ -54,6 +54,9 @@ class Produced:
     rollout_s: float  # seconds generating
     tokens: int  # tokens generated
     check: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the training batch built for the check, kept for the step that trains on it (not saved: a
+    # resumed run builds it again from the groups)
+    batch: Any = dataclasses.field(default=None, repr=False)
 
     def to_json(self) -> dict:
         return {

@@ -8,6 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from qarl_jax.config import load_config
 from qarl_jax.experiments import replicate, summary
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,12 +21,18 @@ def compilation_cache(module_compilation_cache):
     later arm loads them from the persistent cache instead of compiling them again."""
 
 
+# the verdict's three arms: enough for the whole pipeline (runs, resume, summary, verdict, notebook);
+# the other two arms differ from these only in their overrides, checked without training below
+VERDICT_ARMS = ["bf16", "quantized-rollout", "qarl-tbpo"]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # five arms, each compiling its own step program: minutes beside another worker
-def test_quick_runs_every_arm_and_resumes(tmp_path, monkeypatch):
-    assert replicate.main(["--quick", "--out", str(tmp_path)]) == 0
+@pytest.mark.timeout(900)  # three arms, each compiling its own step program: minutes beside another worker
+def test_quick_runs_the_verdicts_arms_and_resumes(tmp_path, monkeypatch):
+    argv = ["--quick", "--arms", ",".join(VERDICT_ARMS), "--out", str(tmp_path)]
+    assert replicate.main(argv) == 0
     result = json.loads((tmp_path / "summary.json").read_text())
-    assert list(result["arms"]) == list(replicate.ARMS)
+    assert list(result["arms"]) == VERDICT_ARMS
     for run in result["runs"]:
         assert run["steps"] == 3 and 0.0 <= run["final_accuracy"] <= 1.0
         aligned = not run["arm"].startswith("quantized-rollout")
@@ -39,8 +46,26 @@ def test_quick_runs_every_arm_and_resumes(tmp_path, monkeypatch):
     assert result["verdict"]["text"] in _execute_notebook(tmp_path, monkeypatch)
     # a second call finds every run finished and trains nothing
     before = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/seed0/metrics.jsonl")}
-    assert replicate.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert replicate.main(argv) == 0
     assert before == {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/seed0/metrics.jsonl")}
+
+
+@pytest.mark.parametrize("base", ["replication.yaml", "replication_long.yaml"])
+def test_every_arm_is_the_documented_format_mode_and_objective(base):
+    expected = {  # arm: (rollout format, aligned training forward, objective, importance correction)
+        "bf16": ("bf16", True, "grpo", "auto"),
+        "quantized-rollout": ("w4a16", False, "grpo", "auto"),  # auto: none for grpo
+        "quantized-rollout+tis": ("w4a16", False, "grpo", "tis"),
+        "qarl-grpo": ("w4a16", True, "grpo", "auto"),
+        "qarl-tbpo": ("w4a16", True, "tbpo", "auto"),  # auto: tis for tbpo
+    }
+    assert list(expected) == list(replicate.ARMS)
+    for arm, want in expected.items():
+        config = load_config(ROOT / "configs" / base, [*replicate.ARMS[arm], *replicate.QUICK])
+        got = (config.quant.fmt, config.quant.mode == "aligned", config.objective.name)
+        assert (*got, config.objective.correction) == want, arm
+    tis = load_config(ROOT / "configs" / base, replicate.ARMS["quantized-rollout+tis"])
+    assert tis.objective.correction_level == "token"  # FlashRL's token-level TIS
 
 
 def test_intervals_and_paired_differences_by_hand():
@@ -125,8 +150,9 @@ def test_notebook_executes_on_committed_results(monkeypatch):
 def test_regime_pick_takes_the_strong_cell_that_keeps_the_most_accuracy():
     from qarl_jax.experiments import regime
 
-    def cell(length, fmt, kl, errors, acc):
+    def cell(length, fmt, kl, errors, acc, implausible=None):
         return {"length": length, "format": fmt, "mismatch_kl": kl, "error_seq_frac": errors,
+                "implausible_seq_frac": errors if implausible is None else implausible,
                 "accuracy_quantized": acc, "accuracy_bf16": 0.9}  # fmt: skip
 
     cells = [
@@ -136,10 +162,12 @@ def test_regime_pick_takes_the_strong_cell_that_keeps_the_most_accuracy():
         cell("steps24", "w4a8-g128", 9.0e-2, 0.20, 0.10),  # harsher, but little left to learn from
         cell("steps12", "bf16", 0.0, 0.02, 0.70),
         cell("steps12", "w8a8", 1.0e-3, 0.035, 0.60),  # mild mismatch, 1.5% more error sequences
+        # as mild, 2% more implausible sequences (the full-precision forward's verdict), less accurate
+        cell("steps12", "w4a16-g32", 1.0e-3, 0.02, 0.55, implausible=0.04),
     ]
     chosen = regime.pick(cells)
     assert chosen["found"] and (chosen["length"], chosen["format"]) == ("steps12", "w8a8")
-    assert "3 of 4 quantized cells" in chosen["why"] and "3.5% (+1.5% over bf16)" in chosen["why"]
+    assert "4 of 5 quantized cells" in chosen["why"] and "3.5% (+1.5% over bf16)" in chosen["why"]
     assert "reach KL >= 2.4e-02" in chosen["why"]  # 10x the steps4 w4a16-g128 cell's 2.4e-3
     assert not regime.pick(cells[:1])["found"]  # the bf16 cell alone: nothing to pick yet
     none = regime.pick(cells[:2])  # +0.5% over bf16 and 1x today's mismatch: not strong

@@ -68,6 +68,17 @@ def test_error_tokens_lengths_and_mismatch_by_hand():
     aligned = metrics.mismatch_stats(rollout, rollout, mask)
     assert [float(v) for v in aligned.values()] == [1.0, 0.0, 0.0, 0.0]
 
+    # implausible under the training forward: the rollout's own p < 1e-3 token (row 0) and one the
+    # rollout drew at p = e^-1 that the training forward gives 5e-4 (row 1); the prompt never counts
+    train = rollout.at[1, 5].set(np.log(5e-4)).at[1, 0].set(-30.0)
+    got = metrics.implausible_tokens(train, mask)
+    np.testing.assert_allclose(got["implausible_token_frac"], 2 / 16)
+    np.testing.assert_allclose(got["implausible_seq_frac"], 2 / 3)
+    looser = metrics.implausible_tokens(train, mask, threshold=3e-3)  # row 2's 2e-3 token too
+    np.testing.assert_allclose(looser["implausible_seq_frac"], 1.0)
+    same = metrics.implausible_tokens(rollout * mask, mask)  # aligned: exactly the low-probability rate
+    assert float(same["implausible_token_frac"]) == float(stats["low_prob_token_frac"])
+
 
 def test_logprobs_and_entropy_from_one_forward():
     """The log-probs are bitwise policy_logprobs'; the entropy is -sum p log p of the same logits

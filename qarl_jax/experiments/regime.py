@@ -1,5 +1,5 @@
-"""``python -m qarl_jax.experiments.regime [--config FILE] [--out DIR] [--quick]``: where quantized
-rollouts hurt, measured at step 0 before any RL.
+"""``python -m qarl_jax.experiments.regime [--config FILE] [--out DIR] [--quick] [key=value ...]``:
+where quantized rollouts hurt, measured at step 0 before any RL.
 
 Each cell is a starting policy on its task (the response length) under one quantization format,
 run as the quantized-rollout arm's first step (``quant.mode=naive``: the rollout decodes the
@@ -8,15 +8,18 @@ quantized weights, the training forward scores its samples at full precision) wi
 
 - ``mismatch_kl``: k3 KL(rollout || full-precision training forward) over the first rollout batch;
 - ``error_seq_frac``, ``repetition_frac``, ``low_prob_token_frac``: the error-token rates
-  (:mod:`qarl_jax.rl.metrics`) of those samples;
+  (:mod:`qarl_jax.rl.metrics`) of those samples, and ``implausible_seq_frac`` /
+  ``implausible_token_frac``: responses (tokens) the full-precision training forward gives a token
+  below 1e-3, the error tokens quantization made the sampler draw;
 - ``accuracy_quantized``, ``accuracy_bf16`` and their ``accuracy_drop``: held-out greedy accuracy of
   the policy as quantized against its bf16 weights (the same weights, the unquantized format).
 
 Every cell lands in ``OUT/sweep.json`` (a finished cell is skipped next time: the sweep resumes),
 with the pick: among the quantized cells whose mismatch is at least ``KL_FACTOR`` times the
 short-answer study's regime measured the same way (:data:`REFERENCE`) or whose error sequences
-exceed the same policy's in bf16 (the ``bf16`` cell: sampling at temperature 1 draws some
-near-impossible tokens from any policy) by ``ERROR_FLOOR`` of the responses, the one whose
+or implausible sequences exceed the same policy's in bf16 (the ``bf16`` cell: sampling at
+temperature 1 draws some near-impossible tokens from any policy) by ``ERROR_FLOOR`` of the
+responses, the one whose
 quantized policy keeps the highest accuracy (RL needs rewards to learn from), and why.
 """
 
@@ -63,16 +66,21 @@ def measure(base: pathlib.Path, out: pathlib.Path, length: str, fmt: str, extra:
     if not (directory / "metrics.jsonl").exists() or len(load_run(directory).rows) < 2:
         overrides = [*LENGTHS[length], *FORMATS[fmt], *STEP0, f"run.output_dir={directory}"]
         train(load_config(base, [*overrides, "run.overwrite=true", *extra]))
-    before, first = load_run(directory).rows[:2]
+    run = load_run(directory)
+    before, first = run.rows[:2]
     return {
         "length": length,
         "format": fmt,
+        "eval_prompts": run.config["run"]["eval_prompts"],
+        "rollouts": run.config["data"]["batch_size"] * run.config["rollout"]["samples_per_prompt"],
         "response_length": first["response_length"],
         "truncated_frac": first["truncated_frac"],
         "mismatch_kl": first["train/mismatch_kl_k3"],
         "error_seq_frac": first["train/error_seq_frac"],
         "repetition_frac": first["train/repetition_frac"],
         "low_prob_token_frac": first["train/low_prob_token_frac"],
+        "implausible_seq_frac": first["train/implausible_seq_frac"],
+        "implausible_token_frac": first["train/implausible_token_frac"],
         "accuracy_quantized": before["eval/accuracy"],
         "accuracy_bf16": before["eval_bf16/accuracy"],
         "accuracy_drop": before["eval_bf16/accuracy"] - before["eval/accuracy"],
@@ -81,12 +89,14 @@ def measure(base: pathlib.Path, out: pathlib.Path, length: str, fmt: str, extra:
 
 
 def excess_errors(cells: list[dict]) -> None:
-    """Each quantized cell's error-sequence rate above its length's bf16 cell's (sampling at
-    temperature 1 draws some tokens under 1e-3 from any policy: only the excess is quantization's),
-    as ``error_seq_excess``; the rate itself where that length has no bf16 cell."""
-    own = {c["length"]: c["error_seq_frac"] for c in cells if c["format"] == "bf16"}
-    for c in cells:
-        c["error_seq_excess"] = c["error_seq_frac"] - own.get(c["length"], 0.0)
+    """Each quantized cell's error- and implausible-sequence rates above its length's bf16 cell's
+    (sampling at temperature 1 draws some tokens under 1e-3 from any policy: only the excess is
+    quantization's), as ``error_seq_excess`` and ``implausible_seq_excess``; the rates themselves
+    where that length has no bf16 cell."""
+    for key in ("error_seq", "implausible_seq"):
+        own = {c["length"]: c[f"{key}_frac"] for c in cells if c["format"] == "bf16"}
+        for c in cells:
+            c[f"{key}_excess"] = c[f"{key}_frac"] - own.get(c["length"], 0.0)
 
 
 def reference_kl(cells: list[dict]) -> tuple[float, str]:
@@ -105,14 +115,15 @@ def pick(cells: list[dict]) -> dict:
     quantized = [c for c in cells if c["format"] != "bf16"]
     if not quantized:
         return {"found": False, "why": "no quantized cell measured yet"}
-    strong = [c for c in quantized if c["mismatch_kl"] >= floor or c["error_seq_excess"] >= ERROR_FLOOR]
+    errors = lambda c: max(c["error_seq_excess"], c["implausible_seq_excess"])
+    strong = [c for c in quantized if c["mismatch_kl"] >= floor or errors(c) >= ERROR_FLOOR]
     if not strong:
         worst = max(quantized, key=lambda c: c["mismatch_kl"])
         return {
             "found": False,
-            "why": f"no quantized cell reaches KL >= {floor:.1e} or error sequences {ERROR_FLOOR:.0%} above "
-            f"the bf16 policy's; the largest mismatch is {worst['length']} {worst['format']} (KL "
-            f"{worst['mismatch_kl']:.2e})",
+            "why": f"no quantized cell reaches KL >= {floor:.1e} or error (implausible) sequences "
+            f"{ERROR_FLOOR:.0%} above the bf16 policy's; the largest mismatch is {worst['length']} "
+            f"{worst['format']} (KL {worst['mismatch_kl']:.2e})",
         }
     best = max(strong, key=lambda c: (c["accuracy_quantized"], c["mismatch_kl"]))
     return {
@@ -120,11 +131,12 @@ def pick(cells: list[dict]) -> dict:
         "length": best["length"],
         "format": best["format"],
         "why": f"{len(strong)} of {len(quantized)} quantized cells reach KL >= {floor:.1e} or error "
-        f"sequences {ERROR_FLOOR:.0%} above the bf16 policy's; of those {best['length']} "
+        f"(implausible) sequences {ERROR_FLOOR:.0%} above the bf16 policy's; of those {best['length']} "
         f"{best['format']} keeps the most quantized accuracy ({best['accuracy_quantized']:.3f}, bf16 "
         f"{best['accuracy_bf16']:.3f}) with KL {best['mismatch_kl']:.2e} "
         f"({best['mismatch_kl'] / base:.0f}x {source}) and error sequences "
-        f"{best['error_seq_frac']:.1%} ({best['error_seq_excess']:+.1%} over bf16)",
+        f"{best['error_seq_frac']:.1%} ({best['error_seq_excess']:+.1%} over bf16), implausible "
+        f"sequences {best['implausible_seq_frac']:.1%} ({best['implausible_seq_excess']:+.1%})",
     }
 
 
@@ -137,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(LENGTHS), help=f"comma-separated, from {list(LENGTHS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {list(FORMATS)}")
     parser.add_argument("--quick", action="store_true", help="few prompts, short answers: a smoke test")
+    parser.add_argument("overrides", nargs="*", help="key=value for every cell, e.g. run.eval_prompts=256")
     args = parser.parse_args(argv)
     lengths, formats = args.lengths.split(","), args.formats.split(",")
     for given, known in ((lengths, LENGTHS), (formats, FORMATS)):
@@ -150,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in formats:
             print(f"[{len(cells) + 1}/{len(lengths) * len(formats)}] {length} {fmt}", flush=True)
             try:
-                cells.append(measure(base, out, length, fmt, QUICK if args.quick else []))
+                extra = [*(QUICK if args.quick else []), *args.overrides]
+                cells.append(measure(base, out, length, fmt, extra))
             except ConfigError as e:
                 print(f"config error: {e}", file=sys.stderr)
                 return 2

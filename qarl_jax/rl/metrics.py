@@ -18,6 +18,12 @@ very-low-probability tokens) are flagged per response by two rules:
 - **low probability**: a sampled token whose rollout probability is below ``low_prob_threshold``
   (1e-3): sampling noise the policy itself considered near impossible.
 
+A third rate needs the training forward: **implausible** tokens, sampled tokens to which the
+training forward gives probability below the same threshold (:func:`implausible_tokens`). Aligned,
+they are exactly the low-probability ones; under a quantized rollout scored at full precision, the
+excess is what quantization made the sampler draw that the full-precision policy finds near
+impossible (the paper's error tokens as they come about).
+
 A response with either is an error sequence; the trainer can report the share of the gradient
 norm such sequences carry (``TrainConfig.error_token_grad_share``).
 """
@@ -89,6 +95,19 @@ def repetition_loop(
 def low_prob_tokens(rollout_logp: jax.Array, mask: jax.Array, threshold: float = 1e-3) -> jax.Array:
     """[B, T] bool: response tokens the rollout sampled with probability below ``threshold``."""
     return (rollout_logp < math.log(threshold)) & (mask > 0)
+
+
+def implausible_tokens(
+    train_logp: jax.Array, mask: jax.Array, threshold: float = 1e-3
+) -> dict[str, jax.Array]:
+    """The share of response tokens, and of non-empty responses holding one, whose probability
+    under the training forward (``train_logp``, at the rollout's samples) is below ``threshold``."""
+    low = (train_logp < math.log(threshold)) & (mask > 0)
+    valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+    return {
+        "implausible_token_frac": _masked_mean(low.astype(jnp.float32), mask.astype(jnp.float32)),
+        "implausible_seq_frac": _masked_mean(jnp.any(low, axis=1).astype(jnp.float32), valid),
+    }
 
 
 def error_sequences(

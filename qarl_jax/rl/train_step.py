@@ -34,8 +34,9 @@ minibatch for any ``micro_batches`` and mesh. Per rollout batch (repeated in eac
 dicts): ``response_len_mean``/``_max``, ``truncation_rate`` (when the batch holds ``truncated``), the
 error-token fractions ``repetition_frac``, ``low_prob_token_frac``, ``error_seq_frac``
 (:mod:`qarl_jax.rl.metrics` defines the rules) and, from a forward at the rollout's weights (the
-old-log-prob forward's whole batch, or the first update's minibatch), ``policy_entropy`` and the
-alignment statistics ``mismatch_*`` (training vs rollout log-probs).
+old-log-prob forward's whole batch, or the first update's minibatch), ``policy_entropy``, the
+alignment statistics ``mismatch_*`` (training vs rollout log-probs) and the ``implausible_*``
+fractions (sampled tokens the training forward finds near impossible).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ SCORED_METRICS = (
     "mismatch_max_abs_diff",
     "mismatch_mean_abs_diff",
     "mismatch_kl_k3",
+    "implausible_token_frac",
+    "implausible_seq_frac",
 )
 
 
@@ -377,14 +380,14 @@ class Trainer:
             **rl_metrics.error_token_stats(self.train.error_flags(batch), mask),
         )
 
-    @staticmethod
-    def _scored_metrics(logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict:
+    def _scored_metrics(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict:
         """The metrics of a forward over ``batch`` (:data:`SCORED_METRICS`) and its old log-probs."""
         mask = jnp.asarray(batch.mask)  # already jax arrays under jit, where this runs
         old = jax.lax.stop_gradient(logp) * mask
         return dict(
             policy_entropy=rl_metrics.entropy_mean(entropy, mask),
             **rl_metrics.mismatch_stats(old, jnp.asarray(batch.rollout_logp), mask),
+            **rl_metrics.implausible_tokens(old, mask, self.train.low_prob_threshold),
         )
 
     def _old_logprobs_impl(self, params, batch):

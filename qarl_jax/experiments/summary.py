@@ -3,7 +3,8 @@
 Per run: held-out greedy accuracy of the policy as deployed (final, best, and the mean over the
 evals after step 0, which shows how fast it learned; the bf16 accuracy of the same weights beside
 it), reward gain (mean of the last 20% of steps minus the first 20%), rollout-vs-training mismatch
-(k3 KL, mean over steps), policy entropy, error-sequence rate, collapse (the deployed accuracy
+(k3 KL, mean over steps), policy entropy, error- and implausible-sequence rates
+(:mod:`qarl_jax.rl.metrics`; the second from runs that logged it), collapse (the deployed accuracy
 ending more than 50% below its peak), stability (``reward_drawdown``: the largest fall of the
 10-step rolling mean reward below its running peak; ``grad_spikes``: updates whose gradient norm
 exceeds ``SPIKE_FACTOR`` times the run's median) and seconds per step. Per arm: mean, standard
@@ -38,6 +39,7 @@ FIGURES = (
     "mismatch_kl",
     "entropy",
     "error_seq_frac",
+    "implausible_seq_frac",
     "collapsed",
     "reward_drawdown",
     "grad_spikes",
@@ -96,6 +98,7 @@ def run_summary(directory: pathlib.Path, arm: str, seed: int) -> dict:
         "mismatch_kl": _mean(run, "train/mismatch_kl_k3"),
         "entropy": _mean(run, "train/policy_entropy"),
         "error_seq_frac": _mean(run, "train/error_seq_frac"),
+        "implausible_seq_frac": _mean(run, "train/implausible_seq_frac"),
         "collapsed": bool(peak > 0 and accuracy[-1] < (1 - COLLAPSE_FRACTION) * peak),
         "reward_drawdown": _drawdown(run.series("reward_mean")[1]),
         "grad_spikes": int(np.sum(grads > SPIKE_FACTOR * np.median(grads))) if len(grads) else 0,

@@ -52,12 +52,14 @@ def test_quick_runs_the_verdicts_arms_and_resumes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("base", ["replication.yaml", "replication_long.yaml"])
 def test_every_arm_is_the_documented_format_mode_and_objective(base):
+    study = load_config(ROOT / "configs" / base).quant.fmt  # the study's quantized format
+    assert study != "bf16"
     expected = {  # arm: (rollout format, aligned training forward, objective, importance correction)
         "bf16": ("bf16", True, "grpo", "auto"),
-        "quantized-rollout": ("w4a16", False, "grpo", "auto"),  # auto: none for grpo
-        "quantized-rollout+tis": ("w4a16", False, "grpo", "tis"),
-        "qarl-grpo": ("w4a16", True, "grpo", "auto"),
-        "qarl-tbpo": ("w4a16", True, "tbpo", "auto"),  # auto: tis for tbpo
+        "quantized-rollout": (study, False, "grpo", "auto"),  # auto: none for grpo
+        "quantized-rollout+tis": (study, False, "grpo", "tis"),
+        "qarl-grpo": (study, True, "grpo", "auto"),
+        "qarl-tbpo": (study, True, "tbpo", "auto"),  # auto: tis for tbpo
     }
     assert list(expected) == list(replicate.ARMS)
     for arm, want in expected.items():

@@ -5,10 +5,12 @@ The paper's central comparison at a size that runs on two CPU cores: the same st
 the same number of RL steps, with several minibatch updates per rollout batch, under five arms:
 
 - ``bf16``: bf16 rollouts, bf16 training, GRPO (the upper reference);
-- ``quantized-rollout``: w4a16 rollouts, full-precision training forward, GRPO;
+- ``quantized-rollout``: quantized rollouts, full-precision training forward, GRPO;
 - ``quantized-rollout+tis``: the same with token-level truncated importance sampling (FlashRL);
-- ``qarl-grpo``: the aligned w4a16 forward (rollout and training log-probs bitwise equal), GRPO;
-- ``qarl-tbpo``: the aligned w4a16 forward, TBPO (the paper's method).
+- ``qarl-grpo``: the aligned quantized forward (rollout and training log-probs bitwise equal), GRPO;
+- ``qarl-tbpo``: the aligned quantized forward, TBPO (the paper's method).
+
+The quantized format is the study's (its config's ``quant`` section: w4a16 unless it says otherwise).
 
 Each (arm, seed) is one ordinary training run (the study's config, default
 ``configs/replication.yaml``; ``configs/replication_long.yaml`` is the long-response study, plus the
@@ -32,17 +34,16 @@ from qarl_jax.experiments.summary import run_summary, write_summary
 from qarl_jax.train import train
 
 ARMS: dict[str, list[str]] = {
-    "bf16": ["quant.fmt=bf16", "objective.name=grpo"],
-    "quantized-rollout": ["quant.fmt=w4a16", "quant.mode=naive", "objective.name=grpo"],
+    "bf16": ["quant.fmt=bf16", "quant.group_size=null", "objective.name=grpo"],
+    "quantized-rollout": ["quant.mode=naive", "objective.name=grpo"],
     "quantized-rollout+tis": [
-        "quant.fmt=w4a16",
         "quant.mode=naive",
         "objective.name=grpo",
         "objective.correction=tis",
         "objective.correction_level=token",
     ],
-    "qarl-grpo": ["quant.fmt=w4a16", "objective.name=grpo"],
-    "qarl-tbpo": ["quant.fmt=w4a16", "objective.name=tbpo"],
+    "qarl-grpo": ["objective.name=grpo"],
+    "qarl-tbpo": ["objective.name=tbpo"],
 }
 BASE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "replication.yaml"
 QUICK = ["run.steps=3", "run.eval_every=0", "run.eval_prompts=16", "run.checkpoint_every=0"]

@@ -14,7 +14,8 @@ quantized weights, the training forward scores its samples at full precision) wi
 - ``accuracy_quantized``, ``accuracy_bf16`` and their ``accuracy_drop``: held-out greedy accuracy of
   the policy as quantized against its bf16 weights (the same weights, the unquantized format).
 
-Every cell lands in ``OUT/sweep.json`` (a finished cell is skipped next time: the sweep resumes),
+Every cell lands in ``OUT/sweep.json`` (a finished cell is skipped next time: the sweep resumes;
+cells an earlier call measured outside this call's grid stay),
 with the pick: among the quantized cells whose mismatch is at least ``KL_FACTOR`` times the
 short-answer study's regime measured the same way (:data:`REFERENCE`) or whose error sequences
 or implausible sequences exceed the same policy's in bf16 (the ``bf16`` cell: sampling at
@@ -42,7 +43,9 @@ SHORT_STUDY_KL = 2.4e-3  # the naive arm's mismatch in results/replication, mean
 REFERENCE = ("steps4", "w4a16-g128")
 KL_FACTOR, ERROR_FLOOR = 10.0, 0.01
 # the task and policy of each response length (the 4-step policy answers in ~40 tokens, the
-# 24-step chain policy in ~200), over the same base config's run settings
+# 24-step chain policy in ~200), over the same base config's run settings. Not swept by default:
+# steps12, where the chain policy (fine-tuned on 24-step chains only) runs past the twelfth step
+# (measured: greedy accuracy 0.02, responses 164 tokens), so it says nothing of quantization
 LENGTHS: dict[str, list[str]] = {
     "steps4": ["model.path=package:assets/policy_long", "data.synthetic.steps=4"],
     "steps12": ["model.path=package:assets/policy_chain", "data.synthetic.steps=12"],
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "replication_long.yaml"))
     parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
-    parser.add_argument("--lengths", default=",".join(LENGTHS), help=f"comma-separated, from {list(LENGTHS)}")
+    parser.add_argument("--lengths", default="steps4,steps24", help=f"comma-separated, from {list(LENGTHS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {list(FORMATS)}")
     parser.add_argument("--quick", action="store_true", help="few prompts, short answers: a smoke test")
     parser.add_argument("overrides", nargs="*", help="key=value for every cell, e.g. run.eval_prompts=256")
@@ -157,20 +160,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {unknown[0]!r}; available: {list(known)}")
     base = pathlib.Path(args.config)
     out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
-    cells: list[dict] = []
-    record: dict = {}
-    for length in lengths:
-        for fmt in formats:
-            print(f"[{len(cells) + 1}/{len(lengths) * len(formats)}] {length} {fmt}", flush=True)
-            try:
-                extra = [*(QUICK if args.quick else []), *args.overrides]
-                cells.append(measure(base, out, length, fmt, extra))
-            except ConfigError as e:
-                print(f"config error: {e}", file=sys.stderr)
-                return 2
-            record = {"cells": cells, "pick": pick(cells), "kl_floor": KL_FACTOR * reference_kl(cells)[0]}
-            (out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
-            print(json.dumps(cells[-1]), flush=True)
+    grid = [(length, fmt) for length in lengths for fmt in formats]
+    # the cells an earlier call measured outside this grid stay in the record
+    earlier = json.loads((out / "sweep.json").read_text())["cells"] if (out / "sweep.json").exists() else []
+    cells = [c for c in earlier if (c["length"], c["format"]) not in grid]
+    for i, (length, fmt) in enumerate(grid, 1):
+        print(f"[{i}/{len(grid)}] {length} {fmt}", flush=True)
+        try:
+            extra = [*(QUICK if args.quick else []), *args.overrides]
+            cells.append(measure(base, out, length, fmt, extra))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        record = {"cells": cells, "pick": pick(cells), "kl_floor": KL_FACTOR * reference_kl(cells)[0]}
+        (out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(cells[-1]), flush=True)
     print(record["pick"]["why"])
     return 0
 

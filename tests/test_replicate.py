@@ -149,28 +149,33 @@ def test_notebook_executes_on_committed_results(monkeypatch):
     assert "Qwen3-30B-A3B-Base (GSPO)" in text
 
 
-def test_regime_pick_takes_the_strong_cell_that_keeps_the_most_accuracy():
+def test_regime_pick_takes_the_strong_learnable_cell_that_loses_the_most_accuracy():
     from qarl_jax.experiments import regime
 
     def cell(length, fmt, kl, errors, acc, implausible=None):
         return {"length": length, "format": fmt, "mismatch_kl": kl, "error_seq_frac": errors,
                 "implausible_seq_frac": errors if implausible is None else implausible,
-                "accuracy_quantized": acc, "accuracy_bf16": 0.9}  # fmt: skip
+                "accuracy_quantized": acc, "accuracy_bf16": 0.9, "accuracy_drop": 0.9 - acc}  # fmt: skip
 
     cells = [
-        cell("steps4", "bf16", 0.0, 0.05, 0.85),  # sampling noise: 5% of responses hold a rare token
-        cell("steps4", "w4a16-g128", 2.4e-3, 0.055, 0.85),  # today's regime: too mild
-        cell("steps24", "w4a16-g128", 3.0e-2, 0.0, 0.40),  # 12.5x today's mismatch
-        cell("steps24", "w4a8-g128", 9.0e-2, 0.20, 0.10),  # harsher, but little left to learn from
-        cell("steps12", "bf16", 0.0, 0.02, 0.70),
+        cell("steps4", "bf16", 0.0, 0.05, 0.9),  # sampling noise: 5% of responses hold a rare token
+        # the short study's own regime: the reference, never the pick, however strong
+        cell("steps4", "w4a16-g128", 2.4e-3, 0.30, 0.85),
+        cell("steps24", "w4a16-g128", 3.0e-2, 0.0, 0.40),  # 12.5x the reference's mismatch
+        cell("steps24", "w4a8-g128", 9.0e-2, 0.20, 0.10),  # harsher, but too little left to learn from
+        cell("steps12", "bf16", 0.0, 0.02, 0.9),
         cell("steps12", "w8a8", 1.0e-3, 0.035, 0.60),  # mild mismatch, 1.5% more error sequences
-        # as mild, 2% more implausible sequences (the full-precision forward's verdict), less accurate
+        # as mild, 2% more implausible sequences (the full-precision forward's verdict)
         cell("steps12", "w4a16-g32", 1.0e-3, 0.02, 0.55, implausible=0.04),
+        cell("steps12", "w4a16-g128", 1.0e-3, 0.025, 0.20),  # 0.5% more: not strong
     ]
     chosen = regime.pick(cells)
-    assert chosen["found"] and (chosen["length"], chosen["format"]) == ("steps12", "w8a8")
-    assert "4 of 5 quantized cells" in chosen["why"] and "3.5% (+1.5% over bf16)" in chosen["why"]
+    assert chosen["found"] and (chosen["length"], chosen["format"]) == ("steps24", "w4a16-g128")
+    assert "4 of 5 quantized cells beyond steps4 w4a16-g128" in chosen["why"]
+    assert "3 with quantized accuracy >= 0.3" in chosen["why"] and "(0.400, bf16 0.900)" in chosen["why"]
     assert "reach KL >= 2.4e-02" in chosen["why"]  # 10x the steps4 w4a16-g128 cell's 2.4e-3
     assert not regime.pick(cells[:1])["found"]  # the bf16 cell alone: nothing to pick yet
-    none = regime.pick(cells[:2])  # +0.5% over bf16 and 1x today's mismatch: not strong
+    none = regime.pick(cells[:2])  # the reference alone: never the pick
     assert not none["found"] and "largest mismatch is steps4 w4a16-g128" in none["why"]
+    weaker = regime.pick([c for c in cells if c["format"] != "w4a16-g128" or c["length"] != "steps24"])
+    assert (weaker["length"], weaker["format"]) == ("steps12", "w4a16-g32")  # loses 0.35 to w8a8's 0.30

@@ -6,7 +6,10 @@ run as the quantized-rollout arm's first step (``quant.mode=naive``: the rollout
 quantized weights, the training forward scores its samples at full precision) with
 ``run.eval_bf16``, so one ordinary one-step run measures everything:
 
-- ``mismatch_kl``: k3 KL(rollout || full-precision training forward) over the first rollout batch;
+- ``mismatch_kl``: k3 KL(rollout || full-precision training forward) over the first rollout batch,
+  per token, and ``seq_mismatch_kl``: the same summed over each response, averaged over responses
+  (per-token KL times the mean response length, exactly: both are means over the same batch), the
+  mismatch a sequence-level ratio (TBPO's, GRPO's sequence weights) sees;
 - ``error_seq_frac``, ``repetition_frac``, ``low_prob_token_frac``: the error-token rates
   (:mod:`qarl_jax.rl.metrics`) of those samples, and ``implausible_seq_frac`` /
   ``implausible_token_frac``: responses (tokens) the full-precision training forward gives a token
@@ -15,13 +18,16 @@ quantized weights, the training forward scores its samples at full precision) wi
   the policy as quantized against its bf16 weights (the same weights, the unquantized format).
 
 Every cell lands in ``OUT/sweep.json`` (a finished cell is skipped next time: the sweep resumes;
-cells an earlier call measured outside this call's grid stay),
-with the pick: among the quantized cells whose mismatch is at least ``KL_FACTOR`` times the
-short-answer study's regime measured the same way (:data:`REFERENCE`) or whose error sequences
-or implausible sequences exceed the same policy's in bf16 (the ``bf16`` cell: sampling at
-temperature 1 draws some near-impossible tokens from any policy) by ``ERROR_FLOOR`` of the
-responses, the one whose
-quantized policy keeps the highest accuracy (RL needs rewards to learn from), and why.
+cells an earlier call measured outside this call's grid stay), with the pick and why.
+
+The pick. *Strong* cells are the quantized cells, other than the short-answer study's own regime
+(:data:`REFERENCE`), whose mismatch is at least ``KL_FACTOR`` times that regime's measured the same
+way, or whose error or implausible sequences exceed the same policy's in bf16 (the ``bf16`` cell:
+sampling at temperature 1 draws some near-impossible tokens from any policy) by ``ERROR_FLOOR`` of
+the responses. Of those whose quantized policy still solves at least ``MIN_ACCURACY`` of the
+held-out problems (GRPO learns only from groups holding both outcomes), the one where quantization
+costs the most accuracy: the study asks whether QaRL wins back what quantized rollouts lose, and
+it can win back no more than that.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ SHORT_STUDY_KL = 2.4e-3  # the naive arm's mismatch in results/replication, mean
 # over training (measured: 5.2e-2 at step 1 of results/replication, then ~3e-3), so the floor is
 # KL_FACTOR times this cell's when the sweep has it, and KL_FACTOR x SHORT_STUDY_KL only without
 REFERENCE = ("steps4", "w4a16-g128")
-KL_FACTOR, ERROR_FLOOR = 10.0, 0.01
+KL_FACTOR, ERROR_FLOOR, MIN_ACCURACY = 10.0, 0.01, 0.3
 # the task and policy of each response length (the 4-step policy answers in ~40 tokens, the
 # 24-step chain policy in ~200), over the same base config's run settings. Not swept by default:
 # steps12, where the chain policy (fine-tuned on 24-step chains only) runs past the twelfth step
@@ -79,6 +85,7 @@ def measure(base: pathlib.Path, out: pathlib.Path, length: str, fmt: str, extra:
         "response_length": first["response_length"],
         "truncated_frac": first["truncated_frac"],
         "mismatch_kl": first["train/mismatch_kl_k3"],
+        "seq_mismatch_kl": first["train/mismatch_kl_k3"] * first["response_length"],
         "error_seq_frac": first["train/error_seq_frac"],
         "repetition_frac": first["train/repetition_frac"],
         "low_prob_token_frac": first["train/low_prob_token_frac"],
@@ -119,24 +126,29 @@ def pick(cells: list[dict]) -> dict:
     if not quantized:
         return {"found": False, "why": "no quantized cell measured yet"}
     errors = lambda c: max(c["error_seq_excess"], c["implausible_seq_excess"])
-    strong = [c for c in quantized if c["mismatch_kl"] >= floor or errors(c) >= ERROR_FLOOR]
-    if not strong:
+    candidates = [c for c in quantized if (c["length"], c["format"]) != REFERENCE]
+    strong = [c for c in candidates if c["mismatch_kl"] >= floor or errors(c) >= ERROR_FLOOR]
+    learnable = [c for c in strong if c["accuracy_quantized"] >= MIN_ACCURACY]
+    if not learnable:
         worst = max(quantized, key=lambda c: c["mismatch_kl"])
         return {
             "found": False,
-            "why": f"no quantized cell reaches KL >= {floor:.1e} or error (implausible) sequences "
-            f"{ERROR_FLOOR:.0%} above the bf16 policy's; the largest mismatch is {worst['length']} "
+            "why": f"no quantized cell beyond {' '.join(REFERENCE)} reaches KL >= {floor:.1e} or error "
+            f"(implausible) sequences {ERROR_FLOOR:.0%} above the bf16 policy's with quantized "
+            f"accuracy >= {MIN_ACCURACY}; the largest mismatch is {worst['length']} "
             f"{worst['format']} (KL {worst['mismatch_kl']:.2e})",
         }
-    best = max(strong, key=lambda c: (c["accuracy_quantized"], c["mismatch_kl"]))
+    best = max(learnable, key=lambda c: (c["accuracy_drop"], c["mismatch_kl"]))
     return {
         "found": True,
         "length": best["length"],
         "format": best["format"],
-        "why": f"{len(strong)} of {len(quantized)} quantized cells reach KL >= {floor:.1e} or error "
-        f"(implausible) sequences {ERROR_FLOOR:.0%} above the bf16 policy's; of those {best['length']} "
-        f"{best['format']} keeps the most quantized accuracy ({best['accuracy_quantized']:.3f}, bf16 "
-        f"{best['accuracy_bf16']:.3f}) with KL {best['mismatch_kl']:.2e} "
+        "why": f"{len(strong)} of {len(candidates)} quantized cells beyond {' '.join(REFERENCE)} reach "
+        f"KL >= {floor:.1e} or error (implausible) sequences {ERROR_FLOOR:.0%} above the bf16 "
+        f"policy's, {len(learnable)} with quantized accuracy >= {MIN_ACCURACY}; of those "
+        f"{best['length']} {best['format']} loses the most accuracy to quantization "
+        f"({best['accuracy_quantized']:.3f}, bf16 {best['accuracy_bf16']:.3f}) with KL "
+        f"{best['mismatch_kl']:.2e} "
         f"({best['mismatch_kl'] / base:.0f}x {source}) and error sequences "
         f"{best['error_seq_frac']:.1%} ({best['error_seq_excess']:+.1%} over bf16), implausible "
         f"sequences {best['implausible_seq_frac']:.1%} ({best['implausible_seq_excess']:+.1%})",

@@ -176,17 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     # the cells an earlier call measured outside this grid stay in the record
     earlier = json.loads((out / "sweep.json").read_text())["cells"] if (out / "sweep.json").exists() else []
     cells = [c for c in earlier if (c["length"], c["format"]) not in grid]
+    order = lambda c: (int(c["length"].removeprefix("steps")), list(FORMATS).index(c["format"]))
+    record: dict = {}
     for i, (length, fmt) in enumerate(grid, 1):
         print(f"[{i}/{len(grid)}] {length} {fmt}", flush=True)
         try:
             extra = [*(QUICK if args.quick else []), *args.overrides]
-            cells.append(measure(base, out, length, fmt, extra))
+            cells = sorted([*cells, measure(base, out, length, fmt, extra)], key=order)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         record = {"cells": cells, "pick": pick(cells), "kl_floor": KL_FACTOR * reference_kl(cells)[0]}
         (out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps(cells[-1]), flush=True)
+        print(json.dumps(next(c for c in cells if (c["length"], c["format"]) == (length, fmt))), flush=True)
     print(record["pick"]["why"])
     return 0
 

@@ -206,10 +206,10 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 def markdown(table: dict[str, dict], result: dict, pairs: dict[str, dict] | None = None) -> str:
     head = (
         "| arm | seeds | final acc. (deployed) | best acc. | mean acc. over evals | final acc. bf16 weights "
-        "| reward gain | mismatch KL (k3) | entropy | error seqs | collapsed runs | reward drawdown "
-        "| grad spikes | s/step |"
+        "| reward gain | mismatch KL (k3) | entropy | error seqs | implausible seqs | collapsed runs "
+        "| reward drawdown | grad spikes | s/step |"
     )
-    lines = [head, "| " + " | ".join(["---"] * 14) + " |"]
+    lines = [head, "| " + " | ".join(["---"] * 15) + " |"]
     for arm, row in table.items():
         collapsed = f"{row['collapsed']['mean'] * len(row['seeds']):.0f}/{len(row['seeds'])}"
         cells = [
@@ -223,6 +223,7 @@ def markdown(table: dict[str, dict], result: dict, pairs: dict[str, dict] | None
             _cell(row, "mismatch_kl", ".2e"),
             _cell(row, "entropy", ".3f"),
             _cell(row, "error_seq_frac", ".3f"),
+            _cell(row, "implausible_seq_frac", ".3f"),
             collapsed,
             _cell(row, "reward_drawdown", ".3f"),
             _cell(row, "grad_spikes", ".1f"),
@@ -274,7 +275,8 @@ def arm_curves(out: pathlib.Path, arm: str, runs: list[dict], key: str, smooth: 
 
 
 def plot(out: pathlib.Path, arms: list[str], runs: list[dict]) -> None:
-    """``summary.png``: deployed held-out accuracy, reward and mismatch per arm (mean, seed range)."""
+    """``summary.png``: deployed held-out accuracy, reward, mismatch and implausible sequences (the
+    runs that logged them) per arm (mean, seed range)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,17 +286,23 @@ def plot(out: pathlib.Path, arms: list[str], runs: list[dict]) -> None:
         ("eval/accuracy", "held-out accuracy, policy as deployed", 1),
         ("reward_mean", "rollout reward (rolling mean, 10 steps)", 10),
         ("train/mismatch_kl_k3", "rollout vs training mismatch, KL k3", 1),
+        ("train/implausible_seq_frac", "implausible sequences (rolling mean, 5 steps)", 5),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (key, title, smooth) in zip(axes, panels, strict=True):
-        for arm in arms:
-            steps, values = arm_curves(out, arm, runs, key, smooth)
+    curves = {key: {arm: arm_curves(out, arm, runs, key, n) for arm in arms} for key, _, n in panels}
+    panels = [p for p in panels if any(v is not None for _, v in curves[p[0]].values())]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
+    for ax, (key, title, _) in zip(axes, panels, strict=True):
+        for arm, (steps, values) in curves[key].items():
+            if values is None:  # logged by none of this arm's runs
+                continue
             line = ax.plot(steps, values.mean(0), label=f"{arm} ({len(values)} seeds)")[0]
             if len(values) > 1:
                 ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.15)
         ax.set_title(title)
         ax.set_xlabel("RL step")
-    axes[2].set_yscale("symlog", linthresh=1e-6)
+        if key == "train/mismatch_kl_k3":
+            ax.set_yscale("symlog", linthresh=1e-6)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "summary.png", dpi=90)

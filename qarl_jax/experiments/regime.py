@@ -149,7 +149,7 @@ def pick(cells: list[dict]) -> dict:
         f"{best['length']} {best['format']} loses the most accuracy to quantization "
         f"({best['accuracy_quantized']:.3f}, bf16 {best['accuracy_bf16']:.3f}) with KL "
         f"{best['mismatch_kl']:.2e} "
-        f"({best['mismatch_kl'] / base:.0f}x {source}) and error sequences "
+        f"({best['mismatch_kl'] / base:.2g}x {source}) and error sequences "
         f"{best['error_seq_frac']:.1%} ({best['error_seq_excess']:+.1%} over bf16), implausible "
         f"sequences {best['implausible_seq_frac']:.1%} ({best['implausible_seq_excess']:+.1%})",
     }

@@ -56,18 +56,14 @@ def release_compiled_programs():
 
 @pytest.fixture(scope="module")
 def module_compilation_cache(tmp_path_factory):
-    """XLA's persistent cache for one module's runs (they recompile the same programs), switched off
-    again when the module ends (JAX initialises the cache once per process: a module that merely set
-    the directory would leave every later test writing it). One directory for the whole session and
-    both workers, fresh each session: the modules that run the smoke loop share its programs."""
+    """XLA's persistent cache for one module's runs (they recompile the same programs), in a
+    directory of its own, switched off again when the module ends (JAX initialises the cache once
+    per process: a module that merely set the directory would leave every later test writing it)."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
-    base = tmp_path_factory.getbasetemp()  # under xdist, one per worker in the session's folder
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache"
-    shared.mkdir(exist_ok=True)
     options = {
-        "jax_compilation_cache_dir": str(shared),
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax-cache")),
         "jax_persistent_cache_min_compile_time_secs": 0.0,
         "jax_persistent_cache_min_entry_size_bytes": 0,
     }

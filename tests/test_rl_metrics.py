@@ -70,7 +70,7 @@ def test_error_tokens_lengths_and_mismatch_by_hand():
 
     # implausible under the training forward: the rollout's own p < 1e-3 token (row 0) and one the
     # rollout drew at p = e^-1 that the training forward gives 5e-4 (row 1); the prompt never counts
-    train = rollout.at[1, 5].set(np.log(5e-4)).at[1, 0].set(-30.0)
+    train = rollout.at[1, 5].set(np.log(5e-4)).at[2, 0].set(-30.0)  # row 2: in its prompt only
     got = metrics.implausible_tokens(train, mask)
     np.testing.assert_allclose(got["implausible_token_frac"], 2 / 16)
     np.testing.assert_allclose(got["implausible_seq_frac"], 2 / 3)

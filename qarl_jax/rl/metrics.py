@@ -102,7 +102,7 @@ def implausible_tokens(
 ) -> dict[str, jax.Array]:
     """The share of response tokens, and of non-empty responses holding one, whose probability
     under the training forward (``train_logp``, at the rollout's samples) is below ``threshold``."""
-    low = (train_logp < math.log(threshold)) & (mask > 0)
+    low = low_prob_tokens(train_logp, mask, threshold)  # the same rule, on the training forward
     valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
     return {
         "implausible_token_frac": _masked_mean(low.astype(jnp.float32), mask.astype(jnp.float32)),

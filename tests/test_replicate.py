@@ -116,16 +116,23 @@ def test_run_summary_figures(tmp_path):
         summary.run_summary(tmp_path, "bf16", 0)
 
 
-@pytest.mark.skipif(not (COMMITTED / "summary.json").exists(), reason="no committed replication results")
-def test_committed_summary_matches_its_runs():
-    """The committed summary is what write_summary makes of the committed run directories."""
-    committed = json.loads((COMMITTED / "summary.json").read_text())
+@pytest.mark.parametrize("study", ["replication", "replication_long"])
+def test_committed_summary_matches_its_runs(study):
+    """The committed summary is what write_summary makes of the committed run directories, and the
+    README quotes its verdict's final accuracies."""
+    out = ROOT / "results" / study
+    committed = json.loads((out / "summary.json").read_text())
     for run in committed["runs"]:
-        directory = replicate.run_dir(COMMITTED, run["arm"], run["seed"])
+        directory = replicate.run_dir(out, run["arm"], run["seed"])
         fresh = summary.run_summary(directory, run["arm"], run["seed"])
         assert {k: run[k] for k in fresh} == json.loads(json.dumps(fresh))
     table = summary.arm_table(committed["runs"], list(replicate.ARMS))
     assert json.loads(json.dumps(table)) == committed["arms"]
+    pairs = summary.paired(committed["runs"], list(replicate.ARMS))
+    assert json.loads(json.dumps(summary.verdict(table, pairs))) == committed["verdict"]
+    readme = (ROOT / "README.md").read_text()
+    for arm in ("bf16", "quantized-rollout", "qarl-tbpo"):
+        assert f"{table[arm]['final_accuracy']['mean']:.3f}" in readme, (study, arm)
 
 
 def _execute_notebook(results: pathlib.Path, monkeypatch) -> str:
@@ -141,11 +148,12 @@ def _execute_notebook(results: pathlib.Path, monkeypatch) -> str:
     return "".join(o.get("text", "") for o in outputs)
 
 
-@pytest.mark.skipif(not (COMMITTED / "summary.json").exists(), reason="no committed replication results")
 def test_notebook_executes_on_committed_results(monkeypatch):
+    """Both studies: their verdicts, the long one's sweep, and the paper's numbers beside them."""
     text = _execute_notebook(COMMITTED, monkeypatch)
-    committed = json.loads((COMMITTED / "summary.json").read_text())
-    assert committed["verdict"]["text"] in text
+    for study in ("replication", "replication_long"):
+        assert json.loads((ROOT / "results" / study / "summary.json").read_text())["verdict"]["text"] in text
+    assert "qarl-jax, tiny Qwen3, 24-step sums (~200 tok)" in text and "steps24 w4a16-g128" in text
     assert "Qwen3-30B-A3B-Base (GSPO)" in text
 
 

@@ -58,6 +58,7 @@ def test_every_arm_is_the_documented_format_mode_and_objective(base):
         "bf16": ("bf16", True, "grpo", "auto"),
         "quantized-rollout": (study, False, "grpo", "auto"),  # auto: none for grpo
         "quantized-rollout+tis": (study, False, "grpo", "tis"),
+        "quantized-rollout+mis": (study, False, "grpo", "mis"),
         "qarl-grpo": (study, True, "grpo", "auto"),
         "qarl-tbpo": (study, True, "tbpo", "auto"),  # auto: tis for tbpo
     }
@@ -68,6 +69,8 @@ def test_every_arm_is_the_documented_format_mode_and_objective(base):
         assert (*got, config.objective.correction) == want, arm
     tis = load_config(ROOT / "configs" / base, replicate.ARMS["quantized-rollout+tis"])
     assert tis.objective.correction_level == "token"  # FlashRL's token-level TIS
+    mis = load_config(ROOT / "configs" / base, replicate.ARMS["quantized-rollout+mis"]).objective
+    assert (mis.correction_level, mis.correction_cap, mis.correction_low) == ("token", 2.0, 0.0)  # > C only
 
 
 def test_intervals_and_paired_differences_by_hand():

@@ -2,11 +2,13 @@
 
 The paper's central comparison at a size that runs on two CPU cores: the same starting policy
 (``qarl_jax/assets/policy_long``, fine-tuned in full precision, never quantized), the same data and
-the same number of RL steps, with several minibatch updates per rollout batch, under five arms:
+the same number of RL steps, with several minibatch updates per rollout batch, under six arms:
 
 - ``bf16``: bf16 rollouts, bf16 training, GRPO (the upper reference);
 - ``quantized-rollout``: quantized rollouts, full-precision training forward, GRPO;
 - ``quantized-rollout+tis``: the same with token-level truncated importance sampling (FlashRL);
+- ``quantized-rollout+mis``: the same with token-level masked importance sampling (a token whose
+  weight pi_train / pi_rollout exceeds C = 2 is dropped from the loss, not truncated);
 - ``qarl-grpo``: the aligned quantized forward (rollout and training log-probs bitwise equal), GRPO;
 - ``qarl-tbpo``: the aligned quantized forward, TBPO (the paper's method).
 
@@ -41,6 +43,13 @@ ARMS: dict[str, list[str]] = {
         "objective.name=grpo",
         "objective.correction=tis",
         "objective.correction_level=token",
+    ],
+    "quantized-rollout+mis": [
+        "quant.mode=naive",
+        "objective.name=grpo",
+        "objective.correction=mis",
+        "objective.correction_level=token",
+        "objective.correction_low=0",
     ],
     "qarl-grpo": ["objective.name=grpo"],
     "qarl-tbpo": ["objective.name=tbpo"],

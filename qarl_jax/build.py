@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from qarl_jax import sharding
-from qarl_jax.config import Config
+from qarl_jax.config import Config, ModelConfig
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
@@ -62,14 +62,18 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     return model, params
 
 
-def check_model_files(config: Config) -> None:
-    """Fail before any work on a ``model.path`` that is not a model this package can load: no such
-    directory, no config.json, an architecture it does not run."""
-    if config.model.path is None:
+def check_model_files(model: ModelConfig) -> None:
+    """Fail before any work on a ``model.path`` that is not a model this package can load: empty,
+    no such directory, no config.json, an architecture it does not run."""
+    if model.path is None:
         return
-    path = model_dir(config.model.path)
+    if not model.path.strip():
+        raise ConfigError(
+            "model.path is empty: name a Hugging Face model directory, or null for model.preset"
+        )
+    path = model_dir(model.path)
     if not path.is_dir():
-        raise ConfigError(f"model.path {config.model.path}: no such directory ({path.absolute()})")
+        raise ConfigError(f"model.path {model.path}: no such directory ({path.absolute()})")
     hf_config(path)
 
 

@@ -322,9 +322,16 @@ def parse_overrides(overrides: list[str]) -> dict:
         try:
             node[leaf] = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError as e:
-            problem = str(e).splitlines()[0]
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from e
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_problem(e)})") from e
     return out
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own text spans five lines, the
+    offending line reprinted with a caret under it)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def load_config(
@@ -336,10 +343,15 @@ def load_config(
         path = pathlib.Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; name a YAML file")
         try:
             from_file = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML ({e})") from e
+            raise ConfigError(f"{path}: invalid YAML ({yaml_problem(e)})") from e
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or "not a text file"
+            raise ConfigError(f"config file {path} cannot be read ({reason})") from e
         if not isinstance(from_file, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         values = _merge(values, from_file)

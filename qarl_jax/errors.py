@@ -6,6 +6,10 @@ command-line entry points can print it without a traceback and exit non-zero, an
 can catch one base class. The subclasses also derive from the built-in exception the same failure
 raised before there was a hierarchy (``ValueError`` for bad input, ``RuntimeError`` for a failed
 environment), so existing ``except ValueError`` code keeps working.
+
+Each class's ``exit_code`` is the code of its kind of fault, the same in every command
+(:data:`qarl_jax.cli.EXIT_CODES` is the table): 2 usage or config, 3 checkpoint or model, 4 data,
+5 output, 6 grader, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -42,11 +46,16 @@ class MalformedRowError(DataError):
     """A row (or prompt) rejected under ``bad_rows="error"``; the message names its origin."""
 
 
-class RunDirError(QarlError, RuntimeError):
-    """A run directory that this run may not write: held by another run, or an old run that would
-    be replaced without ``run.overwrite=true``."""
+class OutputError(QarlError, RuntimeError):
+    """A path a command must write (a run directory, ``--out``, ``output_dir``) that cannot be
+    written: a file where a directory belongs, no permission, a read-only disk."""
 
     exit_code = 5
+
+
+class RunDirError(OutputError):
+    """A run directory that this run may not write: held by another run, or an old run that would
+    be replaced without ``run.overwrite=true``."""
 
 
 class GraderError(QarlError, ValueError):
@@ -62,7 +71,9 @@ class DistributedError(QarlError, RuntimeError):
 
 
 class RunLogError(QarlError, ValueError):
-    """A run directory or one of its files cannot be read."""
+    """A run directory or one of its files cannot be read (the logs are a command's input data)."""
+
+    exit_code = 4
 
 
 class PlanError(QarlError, ValueError):
@@ -72,7 +83,8 @@ class PlanError(QarlError, ValueError):
 
 
 class ServeError(QarlError, RuntimeError):
-    """The server cannot start: a port already bound, a checkpoint it cannot serve."""
+    """The server cannot start on the given address (a port already bound); a checkpoint it cannot
+    serve is a :class:`CheckpointError`."""
 
     exit_code = 2
 

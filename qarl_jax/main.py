@@ -11,8 +11,9 @@ On N hosts, run the same command on each with ``--coordinator HOST:PORT --num-pr
 ``--distributed`` where JAX detects the cluster itself (Cloud TPU, SLURM, ...); the run directory
 must be the same (shared) path on every host. See :mod:`qarl_jax.distributed`.
 
-Every error a user can cause ends the command with one line on stderr and a non-zero exit code
-(:mod:`qarl_jax.errors`: 2 config, 3 checkpoint, 4 data, 5 run directory, 6 grader, 130 Ctrl-C).
+Every error a user can cause ends the command with one line on stderr and a non-zero exit code,
+the same in every command (:data:`qarl_jax.cli.EXIT_CODES`: 2 usage or config, 3 checkpoint, 4
+data, 5 output, 6 grader, 130 Ctrl-C).
 
 On Linux with glibc the command first re-executes itself once with malloc thresholds that keep
 XLA:CPU's per-call temporaries in the heap (:mod:`qarl_jax.heap`; a ``GLIBC_TUNABLES`` of your own
@@ -26,6 +27,8 @@ import json
 import os
 import sys
 
+from qarl_jax import cli
+
 EPILOG = (
     "Config keys: `python -m qarl_jax.main --print-config` prints every key with its value (defaults, "
     "then --config, then the overrides); any of them can be given as key=value."
@@ -33,8 +36,8 @@ EPILOG = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.main", description=__doc__.split("\n\n")[1], epilog=EPILOG
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.main", description=cli.plain(__doc__.split("\n\n")[1]), epilog=EPILOG
     )
     parser.add_argument("--config", help="YAML file of overrides (see configs/)")
     parser.add_argument("--export-hf", metavar="DIR", help="write the final policy here (save_pretrained)")
@@ -46,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--coordinator", metavar="HOST:PORT", help="process 0's address, the same on every host"
     )
-    group.add_argument("--num-processes", type=int, metavar="N", help="number of processes (hosts)")
-    group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    group.add_argument(
+        "--num-processes", type=cli.at_least(1), metavar="N", help="number of processes (hosts)"
+    )
+    group.add_argument("--process-id", type=cli.at_least(0), metavar="I", help="this process's index, 0..N-1")
     group.add_argument(
         "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
     )
@@ -58,14 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     if not args.print_config:
         print("qarl: starting (importing JAX and the model code)", file=sys.stderr, flush=True)
-    # imported here, after the status line: JAX, Flax and optax take seconds to import
-    from qarl_jax.errors import QarlError, one_line
-
-    try:
-        return _run(args)
-    except QarlError as e:
-        print(one_line(e), file=sys.stderr)
-        return e.exit_code
+    return cli.run(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -78,6 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    if args.export_hf:
+        cli.writable_dir(args.export_hf, "--export-hf")  # before the run, not after it
     _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     from qarl_jax.build import build_tokenizer

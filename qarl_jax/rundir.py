@@ -23,7 +23,7 @@ import socket
 import sys
 from typing import TextIO
 
-from qarl_jax.errors import ConfigError, RunDirError
+from qarl_jax.errors import OutputError, RunDirError
 
 LOCK_FILE = "run.lock"
 LOGS = ("metrics.jsonl", "config.json", "tb")  # what a started run leaves besides checkpoints
@@ -35,9 +35,18 @@ def say(message: str) -> None:
 
 
 def check_output_dir(path: pathlib.Path) -> None:
-    """Fail before any work when ``run.output_dir`` cannot be a run directory."""
+    """Fail before any work when ``run.output_dir`` cannot be a run directory: a file is there, a
+    part of the path is a file, or the directory (or the nearest existing one above it, where it
+    would be created) is not writable. Nothing is created here (see :func:`decide`)."""
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"run.output_dir {path} exists and is not a directory")
+        raise OutputError(f"run.output_dir {path} exists and is not a directory")
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"run.output_dir {path}: {existing} is a file, so the directory cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"run.output_dir {path}: {existing} is not writable (permission denied)")
 
 
 class RunLock:

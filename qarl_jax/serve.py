@@ -22,7 +22,8 @@ import sys
 import tempfile
 
 from kernels_pallas import FORMATS
-from qarl_jax.errors import QarlError, ServeError, one_line
+from qarl_jax import cli
+from qarl_jax.errors import CheckpointError, ServeError
 from qarl_jax.quiet_import import import_tensorflow
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -36,7 +37,7 @@ def eos_ids(tokenizer, explicit: list[int] | None) -> tuple[int, ...]:
     ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS] if tokenizer is not None else []
     found = tuple(i for i in ids if i is not None)
     if not found:
-        raise ServeError(
+        raise CheckpointError(
             "no stop token: the checkpoint has no tokenizer with <|im_end|>/<|endoftext|>; pass --eos-id"
         )
     return found
@@ -97,7 +98,7 @@ def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> in
         restored = ckpt.restore(trainer.init_state(params), step=step)
     ckpt.close()
     if restored is None:
-        raise ServeError(f"{run_dir}: the run has no checkpoint yet")
+        raise CheckpointError(f"{run_dir}: the run has no checkpoint yet")
     save_pretrained(out, model.config, restored.state.params, build_tokenizer(config))
     return restored.step
 
@@ -120,22 +121,26 @@ def build_engine(args: argparse.Namespace, checkpoint: pathlib.Path):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qarl_jax.serve", description=__doc__.split("\n\n")[1])
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.serve", description=cli.plain(__doc__.split("\n\n")[1])
+    )
     parser.add_argument(
         "--checkpoint",
         required=True,
         help="a Hugging Face Qwen3 directory, a run directory or RUN/checkpoints/N",
     )
     parser.add_argument("--quant", choices=FORMATS, help="freeze weights into this format (default: none)")
-    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--port", type=cli.port, default=9000, help="0..65535; 0: any free port")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--slots", type=int, default=8, help="concurrent sequences")
-    parser.add_argument("--max-len", type=int, default=1024, help="prompt + generated tokens per sequence")
-    parser.add_argument("--eos-id", type=int, action="append", help="stop token id (repeatable)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--slots", type=cli.at_least(1), default=8, help="concurrent sequences")
+    parser.add_argument(
+        "--max-len", type=cli.at_least(2), default=1024, help="prompt + generated tokens per sequence"
+    )
+    parser.add_argument("--eos-id", type=cli.at_least(0), action="append", help="stop token id (repeatable)")
+    parser.add_argument("--temperature", type=cli.at_least(0.0, float), default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=cli.at_least(0.0, float), default=1.0, help="in (0, 1]")
+    parser.add_argument("--top-k", type=cli.at_least(0), default=0, help="0: off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--log-level",
@@ -147,22 +152,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return _serve(args)
-    except (QarlError, OSError) as e:
-        print(one_line(e) if isinstance(e, QarlError) else f"serve error: {e}", file=sys.stderr)
-        return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        parser.error(f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    return cli.run(lambda: _serve(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
     path = pathlib.Path(args.checkpoint)
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint {path}: no such file or directory")
     with contextlib.ExitStack() as stack:
         if not _is_hf_dir(path):
             run = _run_and_step(path)
             if run is None:
-                raise ServeError(
+                raise CheckpointError(
                     f"--checkpoint {path}: neither a Hugging Face model directory (config.json + "
                     "safetensors) nor a training run directory; export a run with `python -m "
                     "qarl_jax.main ... --export-hf DIR`, or pass the run directory"
@@ -180,9 +186,12 @@ def _serve(args: argparse.Namespace) -> int:
         quiet_orchestrator_logs(getattr(logging, args.log_level))
         try:
             engine = build_engine(args, path)
-        except ValueError as e:
-            raise ServeError(str(e)) from e
-    server = Server(engine, port=args.port, host=args.host)
+        except ValueError as e:  # a model the engine cannot run
+            raise CheckpointError(f"--checkpoint {args.checkpoint}: {e}") from e
+    try:
+        server = Server(engine, port=args.port, host=args.host)
+    except OSError as e:  # the port taken while the model loaded: an address fault, not a file's
+        raise ServeError(f"cannot serve on {args.host}:{args.port}: {e}; choose another --port") from e
     print(f"serving on {server.address}", flush=True)
     try:
         server.wait()

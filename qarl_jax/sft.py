@@ -12,7 +12,6 @@ plus the tokenizer.json, at every eval (a run cut short goes on from its last on
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -21,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qarl_jax import quant
-from qarl_jax.build import eos_ids, eval_set, model_dir
-from qarl_jax.config import ConfigError, ModelConfig, load_config
+from qarl_jax import cli, quant
+from qarl_jax.build import check_model_files, eos_ids, eval_set, model_dir
+from qarl_jax.config import ModelConfig, load_config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_dataset, make_source
 from qarl_jax.evaluation import evaluate
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
@@ -46,11 +45,15 @@ class SftConfig:
     eval_every: int = 100
     eval_prompts: int = 256
     target_accuracy: float = 1.0  # stop at the first eval at or above this
-    output_dir: str = "qarl_jax/assets/policy"
+    # never the package's own assets by default (a run from the repo root replaced the policy `main`
+    # ships); the configs/sft_*.yaml that made the shipped policies name their own run directories
+    output_dir: str = "runs/sft"
 
     def __post_init__(self):
         if min(self.steps, self.eval_every, self.eval_prompts, self.warmup_steps + 1) < 1:
             raise ValueError("steps, eval_every and eval_prompts must be >= 1, warmup_steps >= 0")
+        if not self.output_dir.strip():
+            raise ValueError("output_dir is empty: name the directory the policy is written to")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
 
@@ -130,17 +133,27 @@ def sft(config: SftConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qarl_jax.sft", description=__doc__.split("\n\n")[1])
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.sft",
+        description=cli.plain(__doc__.split("\n\n")[1]),
+        epilog=f"Writes the policy to output_dir (default {SftConfig.output_dir}; each configs/sft_*.yaml "
+        "names its own), checked writable before training starts.",
+    )
     parser.add_argument("--config", help="YAML file (see configs/sft_arith.yaml)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=500")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. steps=500 output_dir=runs/mine"
+    )
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         config = load_config(args.config, args.overrides, cls=SftConfig)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(sft(config), indent=2))
-    return 0
+        check_model_files(config.model)  # an empty or missing model.path: one line now, not minutes in
+        where = cli.writable_dir(config.output_dir, "output_dir")  # written at the first eval, minutes in
+        print(f"sft: writing the policy to {where.absolute()}", file=sys.stderr, flush=True)
+        print(json.dumps(sft(config), indent=2))
+        return 0
+
+    return cli.run(run)
 
 
 if __name__ == "__main__":

@@ -22,5 +22,5 @@ def test_plot_writes_a_png(tmp_path, capsys):
 
 
 def test_missing_run_is_a_clear_error(tmp_path, capsys):
-    assert plot_runs.main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 2
+    assert plot_runs.main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 4
     assert "no such run directory" in capsys.readouterr().err

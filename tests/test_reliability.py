@@ -266,7 +266,7 @@ CASES = {  # name -> (overrides given tmp_path, exit code, words of the message)
     ),
     "output_dir a file": (
         lambda t: [f"run.output_dir={_bad_jsonl(t)}"],
-        2,
+        5,
         ["exists and is not a directory"],
     ),
     "output_dir empty": (lambda t: ["run.output_dir="], 2, ["output_dir is empty"]),

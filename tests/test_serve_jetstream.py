@@ -179,6 +179,6 @@ def test_bound_port_and_unparsable_requests(js, core, server, tmp_path, capsys):
                 list(call(body, timeout=TIMEOUT))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
             assert "malformed request" in err.value.details(), name
-    assert serve.main(["--checkpoint", str(tmp_path), "--port", "0"]) == 2
+    assert serve.main(["--checkpoint", str(tmp_path), "--port", "0"]) == 3
     err = capsys.readouterr().err
     assert "neither a Hugging Face model directory" in err and "--export-hf" in err

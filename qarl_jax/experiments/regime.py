@@ -32,12 +32,12 @@ it can win back no more than that.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 
-from qarl_jax.config import ConfigError, load_config
+from qarl_jax import cli
+from qarl_jax.config import load_config
 from qarl_jax.runlog import load_run
 from qarl_jax.train import train
 
@@ -156,8 +156,8 @@ def pick(cells: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.experiments.regime", description=__doc__.split("\n\n")[0]
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.experiments.regime", description=cli.plain(__doc__.split("\n\n")[0])
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "replication_long.yaml"))
     parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
@@ -167,27 +167,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value for every cell, e.g. run.eval_prompts=256")
     args = parser.parse_args(argv)
     lengths, formats = args.lengths.split(","), args.formats.split(",")
-    for given, known in ((lengths, LENGTHS), (formats, FORMATS)):
+    for option, given, known in (("--lengths", lengths, LENGTHS), ("--formats", formats, FORMATS)):
         if unknown := sorted(set(given) - set(known)):
-            parser.error(f"unknown {unknown[0]!r}; available: {list(known)}")
+            parser.error(f"argument {option}: unknown {unknown[0]!r}; available: {list(known)}")
     base = pathlib.Path(args.config)
     out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
     grid = [(length, fmt) for length in lengths for fmt in formats]
+    extra = [*(QUICK if args.quick else []), *args.overrides]
+    return cli.run(lambda: _sweep(base, out, grid, extra))
+
+
+def _sweep(base: pathlib.Path, out: pathlib.Path, grid: list[tuple[str, str]], extra: list[str]) -> int:
+    """Measure the grid's missing cells (every cell's config checked first), rewriting
+    ``sweep.json`` after each; print the pick."""
+    cli.writable_dir(out, "--out")
+    for length, fmt in grid:
+        load_config(base, [*LENGTHS[length], *FORMATS[fmt], *STEP0, *extra])
+    record_file = out / "sweep.json"
     # the cells an earlier call measured outside this grid stay in the record
-    earlier = json.loads((out / "sweep.json").read_text())["cells"] if (out / "sweep.json").exists() else []
+    earlier = json.loads(record_file.read_text())["cells"] if record_file.exists() else []
     cells = [c for c in earlier if (c["length"], c["format"]) not in grid]
     order = lambda c: (int(c["length"].removeprefix("steps")), list(FORMATS).index(c["format"]))
     record: dict = {}
     for i, (length, fmt) in enumerate(grid, 1):
         print(f"[{i}/{len(grid)}] {length} {fmt}", flush=True)
-        try:
-            extra = [*(QUICK if args.quick else []), *args.overrides]
-            cells = sorted([*cells, measure(base, out, length, fmt, extra)], key=order)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        cells = sorted([*cells, measure(base, out, length, fmt, extra)], key=order)
         record = {"cells": cells, "pick": pick(cells), "kl_floor": KL_FACTOR * reference_kl(cells)[0]}
-        (out / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+        record_file.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps(next(c for c in cells if (c["length"], c["format"]) == (length, fmt))), flush=True)
     print(record["pick"]["why"])
     return 0

@@ -25,13 +25,13 @@ steps, into ``results/replication-quick`` (a smoke test).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 import time
 
-from qarl_jax.config import ConfigError, load_config
+from qarl_jax import cli
+from qarl_jax.config import load_config
 from qarl_jax.experiments.summary import run_summary, write_summary
 from qarl_jax.train import train
 
@@ -89,8 +89,9 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.experiments.replicate", description=__doc__.split("\n\n")[1]
+    intro = cli.plain(__doc__.split("\n\n")[1]).rstrip(":")
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.experiments.replicate", description=f"{intro}: {', '.join(ARMS)}."
     )
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
@@ -107,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
-        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+        parser.error(f"argument --seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not seeds or min(seeds) < 0:
+        parser.error(f"argument --seeds: expected integers >= 0, got {args.seeds!r}")
     if args.quick:
         seeds = seeds[:1]
     base = pathlib.Path(args.config)
@@ -115,18 +118,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         if not any(out.glob("runs/*/seed*/run_summary.json")):
             parser.error(f"--summarize: no finished runs under {out}/runs")
-        resummarize(out)
-        print(write_summary(out, list(ARMS))["verdict"]["text"])
-        return 0
+        return cli.run(lambda: _resummarize(out))
     extra = [*(QUICK if args.quick else []), *args.overrides]
-    grid = [(arm, seed) for seed in seeds for arm in arms]
+    return cli.run(lambda: _grid(out, base, [(arm, seed) for seed in seeds for arm in arms], extra))
+
+
+def _resummarize(out: pathlib.Path) -> int:
+    resummarize(out)
+    print(write_summary(out, list(ARMS))["verdict"]["text"])
+    return 0
+
+
+def _grid(out: pathlib.Path, base: pathlib.Path, grid: list[tuple[str, int]], extra: list[str]) -> int:
+    """Train the grid's missing runs (every run's config checked before any trains: a bad override
+    is one line now, not after hours of training), then print the summary table."""
+    cli.writable_dir(out, "--out")
+    for arm, seed in grid:
+        load_config(base, [*ARMS[arm], f"seed={seed}", f"run.output_dir={run_dir(out, arm, seed)}", *extra])
+    finished = [(a, s) for a, s in grid if (run_dir(out, a, s) / "run_summary.json").exists()]
+    if finished:
+        print(
+            f"{len(finished)} of {len(grid)} runs already finished under {out} (their summaries are "
+            "reused, not retrained; --out elsewhere trains afresh)",
+            file=sys.stderr,
+            flush=True,
+        )
     for i, (arm, seed) in enumerate(grid, 1):
         print(f"[{i}/{len(grid)}] arm={arm} seed={seed} -> {run_dir(out, arm, seed)}", flush=True)
-        try:
-            summary = run_one(out, arm, seed, extra, base)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        summary = run_one(out, arm, seed, extra, base)
         print(json.dumps({k: summary[k] for k in ("final_accuracy", "best_accuracy", "reward_gain")}))
         write_summary(out, list(ARMS))
     print((out / "summary.md").read_text())

@@ -23,12 +23,12 @@ Report (d = training log-prob - rollout log-prob of a sampled token, nats):
                         all but each sequence's last) routed to the same top-k experts, in the same
                         order, in every MoE layer; null for dense models
   format, mode          quant.fmt and quant.mode
-``--json`` prints these as one JSON object on the last line.
+``--json`` prints these as one JSON object, the only thing on stdout (as ``--json`` does in every
+command).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qarl_jax import sharding
+from qarl_jax import cli, sharding
 from qarl_jax.build import build_policy, build_tokenizer, engine_layout, eos_ids
 from qarl_jax.config import Config, ConfigError, load_config
 from qarl_jax.rl.alignment import generated_logprobs, pack
@@ -245,23 +245,24 @@ def _describe(config: Config, report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.tools.check_alignment", description=__doc__.split("\n\n")[1].split(". ")[0]
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.tools.check_alignment",
+        description=cli.plain(__doc__.split("\n\n")[1].split(". ")[0]) + ".",
     )
     parser.add_argument("--config", help="YAML file of overrides (see configs/)")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object, last line")
+    cli.add_json(parser, "the report")
     parser.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. quant.mode=naive alignment.prompts=4"
     )
     args = parser.parse_args(argv)
-    try:
+
+    def check() -> int:
         config = load_config(args.config, args.overrides)
         report = run(config, progress=not args.json)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report) if args.json else _describe(config, report))
-    return 0
+        print(json.dumps(report) if args.json else _describe(config, report))
+        return 0
+
+    return cli.run(check)
 
 
 if __name__ == "__main__":

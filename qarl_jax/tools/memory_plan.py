@@ -50,8 +50,9 @@ peak plus what stays resident beside it (update: the frozen weights and KV cache
 also the optimizer state; decode and prefill: the train state, and for prefill the KV cache),
 and ``moved``: the GB the program's collectives deliver to each device per call (an FSDP weight
 gathered whole counts its full size; one inside the layer scan counts once per layer), from the
-optimized HLO (:mod:`qarl_jax.tools.collectives`). ``--json FILE`` writes all of it as
-``{"programs": {"decode_step": {"collective_bytes": N, "temp_bytes": N, ...}, ...}, ...}``.
+optimized HLO (:mod:`qarl_jax.tools.collectives`). ``--json`` prints the plan instead of the
+tables, as the one JSON object on stdout: ``{"plan": {...}, "compiled": {"programs": {"decode_step":
+{"collective_bytes": N, "temp_bytes": N, ...}, ...}, ...}}`` (``compiled`` with ``--compiled``).
 Compiling a large model on CPU takes minutes.
 """
 
@@ -70,7 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from qarl_jax import sharding
+from qarl_jax import cli, sharding
 from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
 from qarl_jax.errors import PlanError
@@ -469,44 +470,48 @@ def _exec_with_fake_devices(devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.tools.memory_plan", description=__doc__.split("\n\n")[1]
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.tools.memory_plan", description=cli.plain(__doc__.split("\n\n")[1])
     )
     parser.add_argument("--config", help="YAML file of overrides (see configs/)")
-    parser.add_argument("--devices", type=int, help="device count (default: the mesh's stated size)")
+    parser.add_argument(
+        "--devices", type=cli.at_least(1), help="device count (default: the mesh's stated size)"
+    )
     parser.add_argument("--preset", help="architecture preset (default: config.json, else model.preset)")
     parser.add_argument("--platform", choices=sorted(HBM_GB), help="sets --hbm-gb to the chip's HBM")
-    parser.add_argument("--hbm-gb", type=float, help="HBM per device in GB (1e9 bytes)")
+    parser.add_argument(
+        "--hbm-gb", type=cli.at_least(0, float, strict=True), help="HBM per device in GB (1e9 bytes), > 0"
+    )
     parser.add_argument(
         "--per-host",
-        type=int,
+        type=cli.at_least(1),
         help="devices a host: the rollout engine's mesh (default: --platform's host, else all devices)",
     )
     parser.add_argument(
         "--compiled", action="store_true", help="also compile the real programs and print XLA's memory"
     )
-    parser.add_argument("--json", help="with --compiled: also write the compiled plan here as JSON")
+    cli.add_json(parser, "the plan (and with --compiled the compiled plan)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.micro_batches=8")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    return cli.run(lambda: _main(args, reexec=argv is None))
+
+
+def _main(args: argparse.Namespace, reexec: bool) -> int:
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
-    try:
-        config = load_config(args.config, args.overrides)
-        per_host = args.per_host or HOST_DEVICES.get(args.platform or "")
-        p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host)
-        if args.compiled and argv is None and jax.device_count() < p["devices"]:
-            _exec_with_fake_devices(p["devices"])
+    config = load_config(args.config, args.overrides)
+    per_host = args.per_host or HOST_DEVICES.get(args.platform or "")
+    p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host)
+    if args.compiled and reexec and jax.device_count() < p["devices"]:
+        _exec_with_fake_devices(p["devices"])
+    if not args.json:
         print(format_plan(p, config), flush=True)
-        if not args.compiled:
-            return 1 if p["fits"] is False else 0
-        cp = compiled_plan(config, p, args.preset)
-    except (ConfigError, PlanError) as e:
-        print(f"plan error: {e}", file=sys.stderr)
-        return 2
-    print(format_compiled(cp, p))
+    cp = compiled_plan(config, p, args.preset) if args.compiled else None
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(compiled_json(cp, p), f, indent=1)
-    return 1 if cp["fits"] is False else 0
+        print(json.dumps({"plan": p} | ({"compiled": compiled_json(cp, p)} if cp else {})))
+    elif cp:
+        print(format_compiled(cp, p))
+    fits = p["fits"] if cp is None else cp["fits"]
+    return 1 if fits is False else 0
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ made with it.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
-from qarl_jax.runlog import RunLogError, load_runs, rolling_mean
+from qarl_jax import cli
+from qarl_jax.runlog import load_runs, rolling_mean
+
+# what matplotlib's savefig writes from an Agg canvas, by file name ending
+FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def plot(run_dirs: list[str], out: pathlib.Path, smooth: int = 20) -> None:
@@ -39,20 +42,25 @@ def plot(run_dirs: list[str], out: pathlib.Path, smooth: int = 20) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m qarl_jax.tools.plot_runs", description=__doc__.split("\n\n")[1]
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.tools.plot_runs", description=cli.plain(__doc__.split("\n\n")[1])
     )
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
-    parser.add_argument("--out", required=True, type=pathlib.Path, help="the PNG to write")
-    parser.add_argument("--smooth", type=int, default=20, help="rolling-mean window in steps")
+    parser.add_argument(
+        "--out", required=True, type=pathlib.Path, help=f"the figure to write ({', '.join(FORMATS)})"
+    )
+    parser.add_argument(
+        "--smooth", type=cli.at_least(1), default=20, help="rolling-mean window in steps, >= 1"
+    )
     args = parser.parse_args(argv)
-    try:
-        plot(args.run_dirs, args.out, args.smooth)
-    except RunLogError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}")
-    return 0
+
+    def run() -> int:
+        out = cli.writable_file(args.out, "--out", FORMATS)  # before reading and plotting
+        plot(args.run_dirs, out, args.smooth)
+        print(f"wrote {out}")
+        return 0
+
+    return cli.run(run)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,19 @@
 (``RUN/checkpoints/23``). Each step's arrays are read back onto this host's first device, their
 fingerprints recomputed and compared with those saved beside them (:mod:`qarl_jax.checkpoint`),
 and the data state's digest checked. Prints one line per step; exits 1 when any is damaged (naming
-the array or file), 2 when ``DIR`` holds no checkpoint. Nothing is written or moved.
+the array or file), 3 (a checkpoint error, as in every command) when ``DIR`` holds no checkpoint.
+Nothing is written or moved.
 """
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
 import jax
 import orbax.checkpoint as ocp
 
+from qarl_jax import cli
 from qarl_jax.checkpoint import (
     DamagedCheckpoint,
     compare,
@@ -61,16 +62,20 @@ def verify_step(manager: ocp.CheckpointManager, directory: pathlib.Path, step: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qarl_jax.tools.verify_checkpoint", description=__doc__)
+    parser = cli.ArgumentParser(
+        prog="python -m qarl_jax.tools.verify_checkpoint", description=cli.plain(__doc__)
+    )
     parser.add_argument("dir", type=pathlib.Path, help="a run directory, its checkpoints/ or one step")
     args = parser.parse_args(argv)
-    if not args.dir.is_dir():
-        print(f"checkpoint error: {args.dir}: no such directory", file=sys.stderr)
-        return 2
-    directory, steps = _steps(args.dir)
+    return cli.run(lambda: _verify(args.dir))
+
+
+def _verify(path: pathlib.Path) -> int:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    directory, steps = _steps(path)
     if not steps:
-        print(f"checkpoint error: {args.dir}: no checkpoint steps", file=sys.stderr)
-        return 2
+        raise CheckpointError(f"{path}: no checkpoint steps (not a run directory, or the run has saved none)")
     manager = ocp.CheckpointManager(directory.absolute(), item_names=("state", "data", "meta"))
     damaged = 0
     for step in steps:

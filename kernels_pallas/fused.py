@@ -9,7 +9,8 @@ tokens. Every row still runs the same fixed-shape program whatever M, its neighb
 program around it (the argument of :mod:`kernels_pallas._rowblocks`, now for the whole chain), so
 rollout == training bitwise as long as both run the same chain with the same ``block_rows``.
 
-Other backends run ``fn`` on all rows: each GPU/TPU kernel is invariant by itself.
+Other backends run ``fn`` on all rows at once: each GPU/TPU kernel is invariant by itself. They
+share the custom VJP below, which keeps ``prepare`` out of the differentiated program.
 
 Gradients: the forward is the fused loop; the backward differentiates ``fn`` (each kernel's block
 program, their custom VJPs: STE for the matmuls) over chunks of ``backward_rows`` rows, one chunk at
@@ -75,9 +76,11 @@ def fused_rows(
     if backward_rows < 1:
         raise ValueError(f"backward_rows must be positive, got {backward_rows}")
     prepare = prepare or _identity
-    if _backend.resolve(backend) != "cpu":
-        return tuple(fn(*rows, prepare(shared)))
-    return _fused(fn, prepare, block_rows, backward_rows, rows, shared)
+    # GPU/TPU kernels are invariant by themselves: one call on all rows (block_rows None), but the
+    # same custom VJP, so ``prepare`` stays forward-only there too (differentiating through it would
+    # reach the frozen-weight kernels' ``pallas_call``, which has no JVP) and the backward is chunked
+    per_block = block_rows if _backend.resolve(backend) == "cpu" else None
+    return _fused(fn, prepare, per_block, backward_rows, rows, shared)
 
 
 def _identity(tree: Any) -> Any:
@@ -85,8 +88,12 @@ def _identity(tree: Any) -> Any:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(fn: RowFn, prepare, block_rows: int, backward_rows: int, rows: tuple[jax.Array, ...], shared):
+def _fused(
+    fn: RowFn, prepare, block_rows: int | None, backward_rows: int, rows: tuple[jax.Array, ...], shared
+):
     prepared = prepare(shared)
+    if block_rows is None:
+        return tuple(fn(*rows, prepared))
     with fused_block():
         blocks = [jax.ShapeDtypeStruct((block_rows, *r.shape[1:]), r.dtype) for r in rows]
         outs = jax.eval_shape(lambda *b: tuple(fn(*b, prepared)), *blocks)

@@ -1,5 +1,5 @@
 """Invariant attention for TPUs (Pallas Mosaic); the contract is :mod:`kernels_pallas.attention`'s.
-Lowering- and interpreter-checked only (no TPU has run it).
+Compiled by the TPU compiler (no chip here) and interpreter-checked; no TPU has run it.
 
 One program per (sequence row, KV head, query token): the token's G query heads walk its own key
 blocks ``starts + [j * block_kv, (j + 1) * block_kv)`` for ``j = 0 .. position // block_kv`` with
@@ -27,12 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, interpret_mode
+from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, interpret_mode, mxu_dot
 from kernels_pallas._tiling import pad_axis, round_up
 from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
 
 _ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def _shift(r: jax.Array, size: int) -> jax.Array:
@@ -72,13 +71,11 @@ def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, b
         kseg = _lane_window(kseg_ref, off, block_kv, lanes)  # [1, block_kv]
         rel = j * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         valid = (rel <= pos) & (start + rel < s) & (kseg == seg)
-        sc = lax.dot_general(
-            q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_HIGHEST
-        )
+        sc = mxu_dot(q, kb, jnp.float32, (((1,), (1,)), ((), ())))
 
         def pv(p):  # the probabilities in V's dtype, as on CPU/GPU
             pc = p.astype(v_ref.dtype).astype(jnp.float32)
-            return jnp.dot(pc, vb, preferred_element_type=jnp.float32, precision=_HIGHEST)
+            return mxu_dot(pc, vb, jnp.float32)
 
         return online_softmax_step(carry, sc, valid, scale, pv, keepdims=True)
 

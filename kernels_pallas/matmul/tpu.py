@@ -1,4 +1,5 @@
-"""Batch-invariant quantized matmul for TPUs: Pallas Mosaic. Lowering- and interpreter-checked only.
+"""Batch-invariant quantized matmul for TPUs: Pallas Mosaic. Compiled by the TPU compiler (no chip
+here) and interpreter-checked; never run on a TPU.
 
 Grid (row blocks, column blocks, K steps); the K axis is 'arbitrary', so Mosaic runs it in
 ascending order, accumulating into a VMEM scratch tile that is written out at the last step.
@@ -22,11 +23,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode
+from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode, mxu_dot
 from kernels_pallas._tiling import Blocks, round_up, tiled
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
 from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
@@ -42,14 +42,10 @@ def tpu_blocks(fmt: str, k: int, n: int) -> Blocks:
     return Blocks(block_m=32, block_n=block_n, block_k=block_k)
 
 
-def _dot(a: jax.Array, b: jax.Array, acc) -> jax.Array:
-    return jnp.dot(a, b, preferred_element_type=acc, precision=lax.Precision.HIGHEST)
-
-
 def accumulate_step(x_ref, w_ref, s_ref, acc_ref, *, fmt: str, group_size: int, step_k: int, cdt) -> None:
     """Add one K step's product into ``acc_ref`` (groups within the step in ascending order)."""
     if WEIGHT_BITS[fmt] != 4:
-        acc_ref[...] += _dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), acc_ref.dtype)
+        acc_ref[...] += mxu_dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), acc_ref.dtype)
         return
     part_dtype = jnp.int32 if ACT_BITS[fmt] == 8 else jnp.float32
     half = group_size // 2
@@ -59,7 +55,7 @@ def accumulate_step(x_ref, w_ref, s_ref, acc_ref, *, fmt: str, group_size: int, 
         hi = jnp.right_shift(p, 4).astype(cdt)
         x_lo = x_ref[:, g * group_size : g * group_size + half].astype(cdt)
         x_hi = x_ref[:, g * group_size + half : (g + 1) * group_size].astype(cdt)
-        part = _dot(x_lo, lo, part_dtype) + _dot(x_hi, hi, part_dtype)
+        part = mxu_dot(x_lo, lo, part_dtype) + mxu_dot(x_hi, hi, part_dtype)
         acc_ref[...] += part.astype(jnp.float32) * s_ref[g]
 
 

@@ -29,9 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh
-from tqdm import tqdm
 
-from qarl_jax import distributed, rundir, sharding
+from qarl_jax import distributed, rundir, runlog, sharding
 from qarl_jax.build import (
     build_engine,
     build_policy,
@@ -47,6 +46,7 @@ from qarl_jax.data import build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.progress import StepReport
 from qarl_jax.rewards import Grader
 from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
@@ -241,13 +241,6 @@ class Loop:
         }
 
 
-def _postfix(metrics: dict) -> dict:
-    keys = {"reward": "reward_mean", "acc": "accuracy", "mismatch": "train/mismatch_mean_abs_diff"}
-    out = {k: f"{metrics[v]:.3f}" for k, v in keys.items() if v in metrics}
-    out["tok/s"] = f"{metrics['time/rollout_tokens_per_s']:.0f}"
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Result:
     summary: dict  # JSON-ready: run dir, resume step, evals, the last step's metrics
@@ -269,7 +262,7 @@ def train(config: Config) -> Result:
     training_devices, rollout_devices = device_groups(config.rollout.devices)
     mesh = _mesh(config, training_devices)
     _check_batch_split(config, mesh)
-    check_model_files(config)
+    check_model_files(config.model)
     engine_mesh = engine_layout(config, rollout_devices)
     tokenizer = build_tokenizer(config)
     host_data = distributed.host_data(training_data(config.data))
@@ -386,16 +379,17 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
             if log is not None:
                 log.write({"step": 0, **summary["eval_before"]})
         steps = range(start, config.run.steps)
-        show = config.run.progress and primary
-        bar = tqdm(steps, initial=start, total=config.run.steps, desc="qarl", disable=not show)
+        report = StepReport(start, config.run.steps, config.run.log_every, config.run.progress and primary)
         metrics: dict = {}
+        if start >= config.run.steps:  # a rerun of a finished run: say so, and show how it ended
+            metrics = _finished(run_dir, start, config.run.steps, primary)
         frozen = quantize(state.params) if k else None  # the engine's weights, on the training layout
         while pending is not None and len(pending) < min(k, config.run.steps - start):  # the first k
             produced = loop.produce(next(data), start + len(pending), lambda: next(data), version=start)
             loop.check(produced, frozen, start + len(pending))
             pending.append(produced)
         try:
-            for step in bar:
+            for step in steps:
                 if pending is None:
                     state, metrics = loop.step(state, next(data), step, more=lambda: next(data))
                 else:
@@ -408,13 +402,26 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
                     metrics.update(loop.evaluate(state.params))
                 if log is not None:
                     log.write(metrics)
-                if done % config.run.log_every == 0:
-                    bar.set_postfix(_postfix(metrics), refresh=False)
+                report.step(done, metrics)
                 every = config.run.checkpoint_every
                 if done == config.run.steps or (every and done % every == 0):
                     _save(ckpt, done, state, data, pending, config.seed)
             ckpt.close()
         finally:
+            report.close()
             if log is not None:
                 log.close()
     return Result(summary | {"final": metrics}, state, model)
+
+
+def _finished(run_dir: pathlib.Path, start: int, steps: int, primary: bool) -> dict:
+    """The last logged step's metrics of a run whose checkpoint is at ``start`` >= run.steps,
+    after a line saying nothing is left to train (a rerun printed ``"final": {}`` and nothing else)."""
+    rows = [r for r in runlog.load_run(run_dir).rows if r["step"] == start] if primary else []
+    if primary:
+        more = f"run.steps={steps}" if start == steps else f"run.steps={steps} < {start}"
+        rundir.say(
+            f"{run_dir}: already finished at step {start} ({more}); nothing to train. Its final "
+            "metrics follow; give a larger run.steps to go on, or another run.output_dir to start afresh"
+        )
+    return rows[-1] if rows else {}

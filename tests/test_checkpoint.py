@@ -197,3 +197,16 @@ def test_a_training_run_or_one_of_its_steps_exports_for_serving(straight, tmp_pa
     _, params, tokenizer = from_pretrained(tmp_path / "latest")
     jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
     assert tokenizer is not None and serve._run_and_step(ref_dir / "checkpoints" / "2") == (ref_dir, 2)
+
+
+def test_rerun_of_a_finished_run_says_so_and_shows_its_final_metrics(straight, tmp_path, capsys):
+    """The same command again after the last step: nothing trains, a line says the run had finished,
+    and the summary's ``final`` is the last step's logged metrics (it was ``{}``)."""
+    ref_dir, _ = straight
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir, run)
+    again = train(run_config(run, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))
+    assert again.summary["resumed_from"] == STEPS
+    assert again.summary["final"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert f"{run}: already finished at step {STEPS}" in capsys.readouterr().err
+    assert metrics_without_timing(run) == metrics_without_timing(ref_dir)  # nothing appended

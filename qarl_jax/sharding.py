@@ -147,10 +147,16 @@ def logical_to_sharding(tree, mesh: Mesh | AbstractMesh, rules=DEFAULT_RULES):
     return nn.logical_to_mesh_sharding(specs, mesh, rules)  # type: ignore[arg-type]  # flax takes AbstractMesh too
 
 
+def abstract_variables(model: nn.Module) -> dict:
+    """``model``'s variables as shape structs, still boxed with their logical axes. The key and
+    tokens are made inside the traced function, so nothing runs: not even under a mesh of TPU
+    device descriptions (a topology with no chip attached), where an eager op has nowhere to run."""
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+
+
 def param_shardings(model: nn.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """NamedSharding for every parameter of ``model`` (for init, loading and the train step)."""
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    return logical_to_sharding(abstract, mesh, rules)["params"]
+    return logical_to_sharding(abstract_variables(model), mesh, rules)["params"]
 
 
 def place(tree, shardings):

@@ -230,8 +230,10 @@ class RolloutEngine:
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
             )
         self._owns_params = False  # True after a donated update: release_params may free them
-        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        self._eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
+        # shapes and constants without running an op: the engine is also built over TPU device
+        # descriptions to compile its programs for a slice with no chip (memory_plan --topology)
+        self._key_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+        self._eos = np.asarray(config.eos_ids or (-1,), np.int32)
         self._prefill = jax.jit(self._with_collected(self._prefill_impl))
         self._insert = jax.jit(self.insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._with_collected(self.generate_impl), donate_argnums=(1,))

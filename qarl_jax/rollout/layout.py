@@ -137,7 +137,7 @@ def frozen_shardings(
     parameter's logical axes under ``rules``; a QuantizedWeight's values and scales both take its
     kernel's axes (a packed or grouped K axis is never split by the engine's rules). A dimension
     the mesh does not divide stays whole."""
-    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    boxed = sharding.abstract_variables(model)["params"]
     logical = nn.get_partition_spec(boxed)
     tensor = mesh.shape.get("tensor", 1)
     by_columns = ("attention", "mlp", "lm_head")  # a tensor-parallel engine's column-split kinds

@@ -5,8 +5,9 @@ config's shapes, on a mesh of the config's size, with nothing allocated (every i
 SPMD-partitioned program one device runs.
 
 Used by ``python -m qarl_jax.tools.memory_plan --compiled`` (which provides the devices: fake CPU
-devices of the mesh's size, ``--xla_force_host_platform_device_count``) and by
-``benchmarks/long_context.py``. On CPU the figures are XLA:CPU's buffer assignment: the same
+devices of the mesh's size, ``--xla_force_host_platform_device_count``, or with ``--topology`` a TPU
+slice's device descriptions, compiled by the TPU compiler: :mod:`qarl_jax.tools.tpu_compile`) and
+by ``benchmarks/long_context.py``. On CPU the figures are XLA:CPU's buffer assignment: the same
 programs an accelerator runs, scheduled by another backend, so read them as the size of what
 must be alive, not as a byte-exact GPU/TPU prediction. One known CPU-only excess: XLA:CPU scatters
 a bf16 array through an f32 copy, so the decode step's temporaries hold the KV cache twice over in
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qarl_jax import sharding
+from qarl_jax.errors import PlanError
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.models.qwen3 import fused_block_rows
 from qarl_jax.quant import QuantSpec
@@ -41,6 +43,7 @@ from qarl_jax.rl.train_step import (
 from qarl_jax.rollout import layout
 from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
 from qarl_jax.tools.collectives import collective_bytes
+from qarl_jax.tools.tpu_compile import MosaicKernel, failure_line, mosaic_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Compiled:
     temp: int
     compile_s: float
     collective: int
+    kernels: tuple[MosaicKernel, ...] = ()  # a TPU program's Mosaic kernels, in order
 
     @property
     def peak(self) -> int:
@@ -62,14 +66,19 @@ class Compiled:
         return self.argument + self.output - self.alias + self.temp
 
 
-def compile_memory(name: str, lowered, row_blocks: int | None = None) -> Compiled:
-    """Compile ``lowered`` (a ``jax.stages.Lowered``) and read its memory analysis; ``row_blocks``:
-    the trip count of its CPU row-block loops, where collectives run (a tensor-parallel engine's
-    gathers), which XLA does not see (see :mod:`qarl_jax.tools.collectives`)."""
+def compile_memory(name: str, jitted, *args, row_blocks: int | None = None) -> Compiled:
+    """Lower and compile ``jitted(*args)`` and read its memory analysis; ``row_blocks``: the trip
+    count of its CPU row-block loops, where collectives run (a tensor-parallel engine's gathers),
+    which XLA does not see (see :mod:`qarl_jax.tools.collectives`). A program the compiler refuses
+    (or that does not trace) is a :class:`PlanError` naming it and, for a kernel, the kernel."""
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = jitted.lower(*args).compile()
+    except Exception as e:  # XLA's, Mosaic's or the tracer's refusal, as one line
+        raise PlanError(f"the {name} program does not compile: {failure_line(e)}") from None
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
+    text = compiled.as_text() or ""
     return Compiled(
         name,
         m.argument_size_in_bytes,
@@ -77,7 +86,8 @@ def compile_memory(name: str, lowered, row_blocks: int | None = None) -> Compile
         m.alias_size_in_bytes,
         m.temp_size_in_bytes,
         seconds,
-        collective_bytes(compiled.as_text(), row_blocks),
+        collective_bytes(text, row_blocks),
+        tuple(mosaic_kernels(text)),
     )
 
 
@@ -91,7 +101,7 @@ def differentiated_forward(model: Qwen3ForCausalLM, length: int) -> Compiled:
     def loss(p, tokens, positions, segment_ids, targets):
         return jnp.sum(policy_logprobs(model, p, tokens, positions, segment_ids, targets, 1.0, remat=True))
 
-    return compile_memory("grad", jax.jit(jax.grad(loss)).lower(params, ints, ints, ints, ints))
+    return compile_memory("grad", jax.jit(jax.grad(loss)), params, ints, ints, ints, ints)
 
 
 def _with_sharding(x, s) -> jax.ShapeDtypeStruct:
@@ -100,7 +110,7 @@ def _with_sharding(x, s) -> jax.ShapeDtypeStruct:
 
 def abstract_params(model: Qwen3ForCausalLM, mesh: Mesh | None, rules) -> dict:
     """The model's parameters as structs, sharded by ``rules`` on ``mesh`` (None: unsharded)."""
-    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    boxed = sharding.abstract_variables(model)
     boxes = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
     # the boxes' values, not nn.meta.unbox (which would add sharding constraints under a mesh)
     params = jax.tree.map(lambda x: x.value if boxes(x) else x, boxed["params"], is_leaf=boxes)
@@ -165,8 +175,8 @@ def train_step_programs(
         extra = ("old_logp", "ref_logp") if trainer._kl else ("old_logp",)
         mini = abstract_batch(sequences // train.num_minibatches, length, mesh, rules, extra)
         return [
-            compile_memory("old_logprobs", trainer._old_logprobs.lower(params, full)),
-            compile_memory("update", trainer._update.lower(state, mini)),
+            compile_memory("old_logprobs", trainer._old_logprobs, params, full),
+            compile_memory("update", trainer._update, state, mini),
         ]
 
 
@@ -196,12 +206,14 @@ def engine_programs(
         prefill_tokens = per_device(rows) * min(t, engine_config.prefill_chunk)
         programs = [
             compile_memory(
-                "prefill", engine._prefill.lower(frozen, tokens, lengths), -(-prefill_tokens // block)
+                "prefill", engine._prefill, frozen, tokens, lengths, row_blocks=-(-prefill_tokens // block)
             ),
             compile_memory(
                 "decode_step",
-                engine._generate.lower(frozen, state),
-                -(-per_device(engine_config.slots) // block),
+                engine._generate,
+                frozen,
+                state,
+                row_blocks=-(-per_device(engine_config.slots) // block),
             ),
         ]
     return programs, engine.kv_cache_bytes_per_device()

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -83,10 +84,10 @@ from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
 
 GB = 1e9
-HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100": 80, "h100": 80, "h200": 141}
+HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "tpu7x": 192, "a100": 80, "h100": 80, "h200": 141}
 # devices a host: the rollout engine's (per host) mesh in a multi-host slice; a TPU VM of a pod
 # slice holds 4 chips, a GPU host 8
-HOST_DEVICES = {"v4": 4, "v5e": 4, "v5p": 4, "v6e": 4, "a100": 8, "h100": 8, "h200": 8}
+HOST_DEVICES = {"v4": 4, "v5e": 4, "v5p": 4, "v6e": 4, "tpu7x": 4, "a100": 8, "h100": 8, "h200": 8}
 PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cache")
 PHASES = ("rollout", "scoring", "update")
 
@@ -314,26 +315,41 @@ def plan(
     )
 
 
-def compiled_plan(config: Config, p: dict[str, Any], preset_name: str | None = None) -> dict[str, Any]:
+def compiled_plan(
+    config: Config, p: dict[str, Any], preset_name: str | None = None, topology: str | None = None
+) -> dict[str, Any]:
     """XLA's per-device memory of the run's programs (see the module doc) on ``p``'s mesh, and the
-    run's peak by them. Needs ``p['devices']`` devices (fake CPU devices are fine)."""
+    run's peak by them. Needs ``p['devices']`` devices (fake CPU devices are fine), or a TPU
+    ``topology`` of that many chips, whose programs the TPU compiler compiles (Mosaic kernels)."""
+    from qarl_jax.tools import tpu_compile
+
+    devices = jax.devices() if topology is None else tpu_compile.topology_devices(topology)
+    if len(devices) < p["devices"]:
+        raise PlanError(
+            f"--compiled needs {p['devices']} devices, {len(devices)} present: run with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={p['devices']} JAX_PLATFORMS=cpu"
+            if topology is None
+            else f"the mesh needs {p['devices']} chips, TPU topology {topology} has {len(devices)}"
+        )
+    with tpu_compile.tpu_kernels() if topology else contextlib.nullcontext():
+        return _compiled_plan(config, p, preset_name, devices) | dict(topology=topology)
+
+
+def _compiled_plan(
+    config: Config, p: dict[str, Any], preset_name: str | None, devices: list
+) -> dict[str, Any]:
     from qarl_jax.tools import compiled_memory
 
-    if jax.device_count() < p["devices"]:
-        raise PlanError(
-            f"--compiled needs {p['devices']} devices, {jax.device_count()} present: run with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={p['devices']} JAX_PLATFORMS=cpu"
-        )
     c, _ = architecture(config, preset_name)
     model = Qwen3ForCausalLM(c, config.quant)
-    mesh = sharding.make_mesh(config.mesh, jax.devices()[: p["devices"]])
+    mesh = sharding.make_mesh(config.mesh, devices[: p["devices"]])
     r, rules = config.rollout, config.mesh.rules
     n = config.data.batch_size * r.samples_per_prompt
     programs = compiled_memory.train_step_programs(
         model, config.objective, config.train, config.optimizer, n, r.max_len, mesh, rules
     )
     engine = EngineConfig(slots=r.slots, max_len=r.max_len)
-    engine_mesh = layout.engine_mesh(config.rollout.mesh, jax.devices()[: p["per_host"]])
+    engine_mesh = layout.engine_mesh(config.rollout.mesh, devices[: p["per_host"]])
     decode, kv_bytes = compiled_memory.engine_programs(
         model, config.quant, engine, config.data.max_prompt_tokens, engine_mesh
     )
@@ -373,6 +389,9 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
         vals = (x.argument, x.output, x.alias, x.temp, x.peak, cp["run"][x.name], x.collective)
         lines.append(f"  {x.name:<14}" + "".join(f"{v / GB:>8.2f}" for v in vals) + f"{x.compile_s:>11.1f}")
     lines.append(f"  engine KV cache {cp['kv_cache'] / GB:.2f} GB per device")
+    if cp["topology"]:
+        lines[0] = f"compiled by the TPU compiler for {cp['topology']} (memory_analysis per chip, GB):"
+        lines.append("  " + _kernel_line(cp))
     lines.append(
         f"  weight sync {cp['run']['weight_sync'] / GB:.2f} GB: the train state, the KV cache and the new"
         " frozen weights on the training layout and on the engine's"
@@ -387,6 +406,16 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
     return "\n".join(lines + [total])
 
 
+def _kernel_line(cp: dict[str, Any]) -> str:
+    """Whether the decode step's quantized-matmul Mosaic kernels are the training programs' own."""
+    from qarl_jax.tools.tpu_compile import same_kernels
+
+    by_name = {x.name: list(x.kernels) for x in cp["programs"]}
+    shared, missing = same_kernels(by_name["decode_step"], by_name["old_logprobs"] + by_name["update"])
+    line = f"Mosaic matmul kernels of the decode step also in the training programs: {len(shared)}"
+    return line + (f"; NOT in them: {', '.join(missing)}" if missing else f" of {len(shared)}")
+
+
 def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
     """The compiled plan as JSON-ready data: bytes per device, per program and for the run."""
     programs = {
@@ -399,6 +428,7 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
             run_bytes=cp["run"][x.name],
             collective_bytes=x.collective,
             compile_s=x.compile_s,
+            mosaic_kernels=[f"{k.name}:{k.digest}" for k in x.kernels],
         )
         for x in cp["programs"]
     }
@@ -411,6 +441,7 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
         hbm_bytes=p["hbm_bytes"],
         fits=cp["fits"],
         estimate_total_bytes=p["total_bytes"],
+        topology=cp["topology"],
     )
 
 
@@ -490,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compiled", action="store_true", help="also compile the real programs and print XLA's memory"
     )
+    parser.add_argument(
+        "--topology",
+        help="compile for this TPU slice with the TPU compiler (e.g. v5p:4x4x2; implies --compiled, "
+        "sets --platform and the device count to the slice's chips)",
+    )
     cli.add_json(parser, "the plan (and with --compiled the compiled plan)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.micro_batches=8")
     args = parser.parse_intermixed_args(argv)
@@ -497,15 +533,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, reexec: bool) -> int:
+    if args.topology:
+        from qarl_jax.tools.tpu_compile import generation, topology_devices
+
+        chip = generation(args.topology)
+        if chip not in HBM_GB:
+            raise PlanError(f"--topology {args.topology}: unknown TPU generation {chip!r}")
+        args.platform, args.compiled = chip, True
+        args.devices = args.devices or len(topology_devices(args.topology))
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
     config = load_config(args.config, args.overrides)
     per_host = args.per_host or HOST_DEVICES.get(args.platform or "")
     p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host)
-    if args.compiled and reexec and jax.device_count() < p["devices"]:
+    if args.compiled and not args.topology and reexec and jax.device_count() < p["devices"]:
         _exec_with_fake_devices(p["devices"])
     if not args.json:
         print(format_plan(p, config), flush=True)
-    cp = compiled_plan(config, p, args.preset) if args.compiled else None
+    cp = compiled_plan(config, p, args.preset, args.topology) if args.compiled else None
     if args.json:
         print(json.dumps({"plan": p} | ({"compiled": compiled_json(cp, p)} if cp else {})))
     elif cp:

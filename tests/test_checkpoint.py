@@ -210,3 +210,36 @@ def test_rerun_of_a_finished_run_says_so_and_shows_its_final_metrics(straight, t
     assert again.summary["final"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert f"{run}: already finished at step {STEPS}" in capsys.readouterr().err
     assert metrics_without_timing(run) == metrics_without_timing(ref_dir)  # nothing appended
+
+
+def test_late_reads_of_a_failed_restore_are_not_reported(capsys, monkeypatch):
+    """A read that completes after orbax closed its event loop raises "Event loop is closed" in
+    TensorStore's thread, reported through sys.unraisablehook (700 lines of tracebacks after one
+    damaged checkpoint); those reports are dropped, any other still reaches the previous hook."""
+    import asyncio
+    import types
+
+    from qarl_jax.checkpoint import quiet_late_read_callbacks
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    quiet_late_read_callbacks()
+    quiet_late_read_callbacks()  # idempotent: one filter, not a chain of them
+
+    def report(error):
+        tb = error.__traceback__
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=tb))
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # what TensorStore's thread does for a late read
+    except RuntimeError as e:
+        report(e)
+    try:
+        raise RuntimeError("Event loop is closed")  # the same words from elsewhere: reported
+    except RuntimeError as e:
+        report(e)
+    assert [str(u.exc_value) for u in seen] == ["Event loop is closed"] and seen[
+        0
+    ].exc_traceback.tb_next is None

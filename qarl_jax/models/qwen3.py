@@ -82,7 +82,8 @@ class Dense(nn.Module):
             self, "kernel", (x.shape[-1], self.features), self.axes, jnp.dtype(self.config.param_dtype)
         )
         spec, kind = self.quant, self.kind
-        blocks, tp = self.config.tensor_blocks, ops.tensor_parallel()
+        tp = ops.tensor_parallel()
+        blocks = local_blocks(self.config, "lm_head", tp)
         x = x.astype(self.config.dtype)
         if tp is None:
             y = ops.per_device(
@@ -90,7 +91,7 @@ class Dense(nn.Module):
             )
         else:  # this device's columns (blocks / tp.size of them); the caller's jit gathers them
             y = ops.per_device(
-                lambda x, w: quant.dot(x, w, spec, kind, blocks // tp.size),
+                lambda x, w: quant.dot(x, w, spec, kind, blocks),
                 x,
                 kernel,
                 batched=(True, False),
@@ -194,10 +195,18 @@ def _column_specs(weights, tp: ops.TensorParallel | None) -> dict | None:
     }
 
 
+def local_blocks(c: Qwen3Config, name: str, tp: ops.TensorParallel | None) -> int | None:
+    """The column blocks of projection ``name`` this device computes, each its own materialised
+    kernel call (:func:`qarl_jax.quant.dot`): all of them without ``tp``, its share with it (one
+    block or more). None when the model is not column-blocked (``tensor_blocks`` 1): one plain call."""
+    if c.tensor_blocks == 1:
+        return None
+    return c.column_blocks(name) // (1 if tp is None else tp.size)
+
+
 def _dot(h, w, c: Qwen3Config, spec, kind: str, name: str, tp: ops.TensorParallel | None):
     """A chain's projection ``name`` in its column blocks (a tensor-parallel device: its share)."""
-    blocks = c.column_blocks(name)
-    return quant.dot(h, w, spec, kind, blocks if tp is None else blocks // tp.size)
+    return quant.dot(h, w, spec, kind, local_blocks(c, name, tp))
 
 
 def _heads(h, w, norm, positions, c: Qwen3Config, spec, name: str, tp: ops.TensorParallel | None):
@@ -211,8 +220,8 @@ def _heads(h, w, norm, positions, c: Qwen3Config, spec, name: str, tp: ops.Tenso
         y = quant.dot(x, wb, spec, "attention").reshape(n, -1, d)
         return rowwise.rope(rowwise.rms_norm(y, norm, eps), positions, c.rope_theta)
 
-    blocks = c.column_blocks(name) // (1 if tp is None else tp.size)
-    if blocks == 1:
+    blocks = local_blocks(c, name, tp)
+    if blocks is None:
         return block(h, w)
     width = (w.n if isinstance(w, quant.QuantizedWeight) else w.shape[-1]) // blocks
     slices = [lax.optimization_barrier((h, quant.column_slice(w, i * width, width))) for i in range(blocks)]
@@ -435,7 +444,7 @@ class Qwen3ForCausalLM(nn.Module):
         kernel's rows are independent), so a caller may run it over any split of the tokens."""
         if self.config.tie_word_embeddings:
             spec = self.quant
-            blocks = self.config.tensor_blocks  # the table stays whole: every device all blocks
+            blocks = local_blocks(self.config, "lm_head", None)  # the table stays whole: all blocks
             return ops.per_device(
                 lambda x, w: quant.dot(x, w.T, spec, "lm_head", blocks),
                 x,

@@ -91,24 +91,35 @@ def _float_weight(w) -> jax.Array:
 
 
 def dot(
-    x: jax.Array, w: jax.Array | QuantizedWeight, spec: QuantSpec | None, kind: str, blocks: int = 1
+    x: jax.Array,
+    w: jax.Array | QuantizedWeight,
+    spec: QuantSpec | None,
+    kind: str,
+    blocks: int | None = None,
 ) -> jax.Array:
     """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight.
-    ``blocks`` > 1: the N columns as that many equal blocks, each its own kernel call on its slice of
-    w, concatenated (what a tensor-parallel device holding one block computes; quantization scales
-    are per column, so slicing commutes with it). Ignored by the plain XLA path (``spec`` None)."""
-    if blocks > 1 and spec is not None:
+
+    ``blocks`` (a column-blocked model, ``Qwen3Config.tensor_blocks`` > 1): the N columns as that
+    many equal blocks, each its own kernel call on its own materialised (x, weight slice) pair,
+    concatenated: what a tensor-parallel device computes for the blocks it holds (quantization
+    scales are per column, so slicing commutes with it). One block is such a call too: a device of
+    a tensor-parallel engine holding one block runs the very program of one of the training
+    forward's blocks. Why materialised (an optimization barrier): without it XLA may merge the dots
+    back into one, read the slice in place, or fuse x's producer into the kernel and drop x's
+    rounding to its dtype (XLA's excess precision: a bf16 value the kernel upcasts to f32 is then
+    the producer's unrounded f32), any of which changes the bits on one layout and not the other.
+    None: one plain call (a model that is not column-blocked). Ignored by the plain XLA path
+    (``spec`` None)."""
+    if blocks is not None and spec is not None:
         n = _columns(w)
         if n % blocks:
             raise ValueError(f"{kind} weight of {n} columns does not split into {blocks} blocks")
         width = n // blocks
-        # each block its own dot on its own materialised slice: a barrier per block keeps XLA from
-        # merging the dots back into one or reading the slice in place (either changes the bits)
         parts = []
         for i in range(blocks):
             xi, wi = lax.optimization_barrier((x, column_slice(w, i * width, width)))
             parts.append(dot(xi, wi, spec, kind))
-        return jnp.concatenate(parts, axis=-1)
+        return parts[0] if blocks == 1 else jnp.concatenate(parts, axis=-1)
     if spec is None:
         wf = _float_weight(w)
         ct = jnp.result_type(x.dtype, wf.dtype)

@@ -8,11 +8,13 @@ mode against the references. Their speed, and the bits a chip computes, are unme
 
 from __future__ import annotations
 
+import math
 from typing import Final, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as _pl
 from jax.experimental.pallas import tpu as _pltpu
 
 PARALLEL: Final = "parallel"
@@ -41,3 +43,14 @@ def mxu_dot(a: jax.Array, b: jax.Array, acc, dims=(((1,), (0,)), ((), ()))) -> j
     tile shape, which no kernel derives from M: rows stay invariant."""
     precision = lax.Precision.HIGHEST if jnp.dtype(a.dtype) == jnp.float32 else None
     return lax.dot_general(a, b, dims, preferred_element_type=acc, precision=precision)
+
+
+def cost(
+    flops: int, *operands: jax.Array | jax.ShapeDtypeStruct, transcendentals: int = 0
+) -> _pl.CostEstimate:
+    """What a kernel costs, for XLA's scheduler: a ``pallas_call`` is opaque to it, and without an
+    estimate it cannot tell how long a kernel runs, so it cannot hide a collective (an FSDP
+    all-gather, the expert all-to-all) behind it. ``operands``: every array the kernel reads or
+    writes, each read once (the bytes moved between HBM and VMEM at the least)."""
+    moved = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in operands)
+    return _pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=moved)

@@ -77,3 +77,38 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     assert collective_bytes(text, unknown_trips=3) == 3 * 16  # the caller's count: 3 x f32[4]
     with pytest.raises(ValueError, match="no ENTRY computation"):
         collective_bytes("%f (x: f32[1]) -> f32[1] {\n}")
+
+
+def test_a_loop_without_a_trip_count_is_counted_from_its_counter():
+    """XLA:TPU's unrolled loops (``wide.*``) carry no known_trip_count: the count comes from the
+    loop itself, counter from 2 (through a copy) by steps of 3 while < 11: 2, 5, 8 -> 3 trips."""
+    text = """
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %n = s32[] constant(11)
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%wide.body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %i2 = s32[] copy(%i)
+  %step = s32[] constant(3)
+  %next = s32[] add(%i2, %step)
+  %x = f32[4] get-tuple-element(%p), index=1
+  %ag = f32[4]{0} all-gather(%x), dimensions={0}
+  ROOT %t = (s32[], f32[4]) tuple(%next, %ag)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %zero = s32[] constant(2)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[4]) tuple(%start, %x)
+  ROOT %w = (s32[], f32[4]) while(%init), condition=%cond, body=%wide.body
+}
+"""
+    assert collective_bytes(text) == 3 * 16
+    # the same loop counting down is not of the form read: still an error, never a guess
+    with pytest.raises(ValueError, match="unknown trip count"):
+        collective_bytes(text.replace("direction=LT", "direction=GT"))

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, interpret_mode, mxu_dot
+from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import pad_axis, round_up
 from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
 
@@ -123,5 +123,7 @@ def attention(
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL),
         name="qarl_attention_tpu",
+        # every query against every key at most (causal masking skips about half): QK^T and PV
+        cost_estimate=cost(4 * b * t * h * s * d, q, k, v, q, transcendentals=b * t * h * s),
     )(*scalars, qg, keys(k), keys(v), kseg[:, None, :])
     return out[:, :, :, :g, :d].reshape(b, t, h, d)

@@ -1,5 +1,5 @@
 """Batch-invariant grouped (MoE experts) quantized matmul for TPUs: Pallas Mosaic.
-Lowering- and interpreter-checked only (no TPU here).
+Compiled by the TPU compiler (no chip here) and interpreter-checked; no TPU has run it.
 
 The static work list of (expert, row block) tiles (``common.group_tiles``) is scalar-prefetched
 into SMEM; the grid is (column blocks, tiles, K steps). A tile runs the dense kernel's K step
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import ARBITRARY, PARALLEL, compiler_params, interpret_mode
+from kernels_pallas._mosaic import ARBITRARY, PARALLEL, compiler_params, cost, interpret_mode
 from kernels_pallas._tiling import Blocks, tiled
 from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight
 from kernels_pallas.grouped.common import group_tiles
@@ -84,12 +84,15 @@ def grouped_matmul(
         out_specs=pl.BlockSpec((bm, bn), lambda j, t, kk, te, tb, *_: (tb[t], j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), acc_dtype(fmt))],
     )
+    out_shape = jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype)
+    # each row meets one expert: the flops of a dense matmul of the rows; every expert's weights read
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype),
+        out_shape=out_shape,
         grid_spec=grid_spec,
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, ARBITRARY, ARBITRARY),
         name=f"qarl_{fmt}_grouped_matmul_tpu",
+        cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, *args, out_shape),
     )(*tiles, *args)
     return out[:m, : w.n]

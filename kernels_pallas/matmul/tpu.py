@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode, mxu_dot
+from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import Blocks, round_up, tiled
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
 from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
@@ -149,9 +149,10 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
 
     cdt = compute_dtype(x.dtype, w)
+    out_shape = jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, group_size=w.group_size, step_k=step, cdt=cdt),
-        out_shape=jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype),
+        out_shape=out_shape,
         grid=(ops.m_pad // bm, n_pad // bn, k_pad // step),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
@@ -159,5 +160,6 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, ARBITRARY),
         name=f"qarl_{fmt}_matmul_tpu",
+        cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, *args, out_shape),
     )(*args)
     return out[:m, : w.n]

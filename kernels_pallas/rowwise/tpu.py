@@ -1,5 +1,5 @@
 """Row-wise kernels for TPUs (Pallas Mosaic): RMSNorm, RoPE and the chunked-vocabulary log-sum-exp.
-Lowering- and interpreter-checked only (no TPU has run them).
+Compiled by the TPU compiler (no chip here) and interpreter-checked; no TPU has run them.
 
 Rows are padded to ``BLOCK_ROWS`` (16, a bf16 sublane tile) and every row block runs one program
 whose shape depends on the row width only, so a row's bits never depend on the number of rows or

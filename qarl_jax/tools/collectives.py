@@ -4,7 +4,8 @@ Why from the optimized HLO: the SPMD partitioner decides the collectives (an FSD
 whole before a matmul, a reduction finished with an all-reduce), and a program's source never shows
 them. ``collective_bytes`` adds up the result bytes of every collective one device runs, per call
 of the program: a collective inside a ``while`` body (a scanned layer, a loop over chunks) counts
-once per iteration of XLA's ``known_trip_count``; one in a computation a loop or fusion calls counts
+once per iteration of XLA's ``known_trip_count`` (where XLA gives none, as for XLA:TPU's
+unrolled ``wide.*`` loops, read from the loop's counter: its start, step and bound); one in a computation a loop or fusion calls counts
 as often as its caller. Result bytes: what an all-gather, all-to-all or collective-permute delivers
 to the device and what an all-reduce or reduce-scatter hands back, a lower bound on its traffic.
 Asynchronous pairs (``all-gather-start`` / ``-done``) count once, by the ``-done``'s result.
@@ -20,7 +21,7 @@ import numpy as np
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8\w*)\[([\d,]*)\]")
 _CALLEES = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -45,6 +46,7 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
     """{collective kind: result bytes per device per call of the program} of an optimized HLO
     module's text (``compiled.as_text()``); kinds absent from it are absent."""
     body: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    named: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # computation -> name -> (opcode, rest)
     names: list[str] = []  # in print order: XLA prints a computation before any that calls it
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -56,7 +58,8 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
             continue
         m = _INSTRUCTION.match(line)
         if m and current is not None:
-            body[current].append((m.group(1), m.group(2), m.group(3)))
+            body[current].append((m.group(2), m.group(3), m.group(4)))
+            named[current][m.group(1)] = (m.group(3), m.group(4))
     if entry is None:
         raise ValueError("not an HLO module's text: no ENTRY computation")
     # how often each computation runs per call of the entry, callers before callees; a loop whose
@@ -70,8 +73,9 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
         for _, opcode, rest in body[name]:
             times, unknown = runs[name], name in under_unknown
             if opcode == "while":
-                trips = _TRIPS.search(rest)
-                times *= int(trips.group(1)) if trips else (unknown_trips or 1)
+                known = _TRIPS.search(rest)
+                trips = int(known.group(1)) if known else _counted_trips(named, name, rest)
+                times *= trips if trips is not None else (unknown_trips or 1)
                 unknown = unknown or (trips is None and unknown_trips is None)
             callees = _CALLEES.findall(rest)
             branches = _BRANCHES.search(rest)
@@ -91,6 +95,60 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
                 raise ValueError(f"a {kind} in {name} runs in a loop of unknown trip count: cannot count it")
             totals[kind] += _array_bytes(shape) * runs[name]
     return dict(totals)
+
+
+def _operands(rest: str) -> list[str]:
+    """The instruction names an instruction's argument list starts with (before ``), attrs``)."""
+    return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+
+def _source(instructions: dict[str, tuple[str, str]], name: str) -> tuple[str, str]:
+    """(opcode, rest) of the instruction ``name`` copies (through any chain of copies)."""
+    opcode, rest = instructions.get(name, ("", ""))
+    while opcode == "copy":
+        opcode, rest = instructions.get((_operands(rest) or [""])[0], ("", ""))
+    return opcode, rest
+
+
+def _constant(instructions: dict[str, tuple[str, str]], name: str) -> int | None:
+    """The integer scalar constant ``name`` is (through copies), else None."""
+    opcode, rest = _source(instructions, name)
+    return int(rest.split(")", 1)[0]) if opcode == "constant" and re.match(r"-?\d+\)", rest) else None
+
+
+def _counted_trips(named: dict[str, dict[str, tuple[str, str]]], caller: str, rest: str) -> int | None:
+    """The trip count of a ``while`` that carries no ``known_trip_count`` (XLA:TPU's loops after
+    its own unrolling, ``wide.*`` bodies, carry none), read from the loop itself: a condition
+    ``counter < N``, a body that adds a constant step to the counter, and a constant initial
+    value in the caller's operand tuple. None where the loop is not of that form."""
+    cond, loop_body = re.search(r"condition=%?([\w.\-]+)", rest), re.search(r"body=%?([\w.\-]+)", rest)
+    if not (cond and loop_body):
+        return None
+    compare = [r for op, r in named[cond.group(1)].values() if op == "compare" and "direction=LT" in r]
+    if len(compare) != 1:
+        return None
+    counter, bound_name = (_operands(compare[0]) + [None, None])[:2]
+    bound = _constant(named[cond.group(1)], bound_name or "")
+    index = re.search(r"index=(\d+)", named[cond.group(1)].get(counter or "", ("", ""))[1])
+    if bound is None or index is None:
+        return None
+    steps = set()
+    for op, r in named[loop_body.group(1)].values():  # counter' = counter + step
+        args = _operands(r)
+        if op != "add" or len(args) != 2:
+            continue
+        gte = _source(named[loop_body.group(1)], args[0])
+        if gte[0] == "get-tuple-element" and f"index={index.group(1)}" in gte[1]:
+            step = _constant(named[loop_body.group(1)], args[1])
+            steps.add(step)
+    init_tuple = named[caller].get((_operands(rest) or [""])[0], ("", ""))
+    inits = _operands(init_tuple[1]) if init_tuple[0] == "tuple" else []
+    i = int(index.group(1))
+    start = _constant(named[caller], inits[i]) if i < len(inits) else None
+    if len(steps) != 1 or None in steps or start is None:
+        return None
+    (step,) = steps
+    return max(0, -(-(bound - start) // step)) if step and step > 0 else None
 
 
 def collective_bytes(hlo_text: str, unknown_trips: int | None = None) -> int:

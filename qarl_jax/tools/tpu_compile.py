@@ -104,15 +104,16 @@ def _first_line(e: BaseException) -> str:
 
 
 def failure_line(e: BaseException) -> str:
-    """The compiler's reason in one line: Mosaic's error and the kernel it names, else the first
-    line of the error."""
+    """The compiler's reason in one line: Mosaic's error (and what it means where we know), else
+    the first line of the error."""
     text = str(e)
-    kernel = re.search(r"\bqarl_\w+_tpu\b", text)
     reason = re.search(r"Mosaic failed to compile TPU kernel: (.*)", text)
-    if reason:
-        where = f" in {kernel.group(0)}" if kernel else ""
-        return f"Mosaic rejects the kernel{where}: {reason.group(1).strip()}"
-    return f"{type(e).__name__}: {_first_line(e)}"
+    if not reason:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    line = f"Mosaic rejects a kernel: {reason.group(1).strip()}"
+    if re.search(r"Unsupported matmul \w+ type on target: vector<[\dx]*xi8>", text):
+        line += " (this TPU generation has no int8 matmul unit: the a8 formats, w8a8 and w4a8, need one)"
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,9 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
 
     Why the grid is kept apart: it is the one thing M may change (how many row blocks or tokens
     there are), and it leaves each cell's program alone; block shapes are in the digest, so a
-    tiling that depended on M would show as a different digest."""
+    tiling that depended on M would show as a different digest. For the same reason the lengths
+    of the scalar-prefetched SMEM work lists are left out (the grouped matmul's list of (expert,
+    row block) tiles has one entry a grid step: its length is the grid's)."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import tpu
     from jaxlib.mlir import ir
@@ -153,6 +156,7 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
         grid = tuple(int(x) for x in bounds.group(1).split(",")) if bounds and bounds.group(1) else ()
         name = re.search(r"func\.func @(\w+)", text)
         body = re.sub(r"iteration_bounds = array<i64[^>]*>", "", text)
+        body = re.sub(r"memref<\d+x(i32, #tpu\.memory_space<smem>)>", r"memref<?x\1>", body)
         kernels.append(
             MosaicKernel(name.group(1) if name else "?", grid, hashlib.sha256(body.encode()).hexdigest()[:16])
         )

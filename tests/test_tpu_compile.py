@@ -1,0 +1,127 @@
+"""Every TPU program compiled by the real TPU compiler (XLA:TPU and Mosaic from libtpu) on this
+CPU host, for slices with no chip attached: the kernels x formats on two generations, and the
+tiny presets' whole run (old log-probs, the aligned update, prefill, decode step) on a v5p slice,
+every format, dense and MoE. Lowering alone accepted kernels that Mosaic rejects ("Bad lhs type"
+on every quantized matmul) and missed a gradient that does not trace for TPU: only the compiler
+says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+import kernels_pallas as kp
+from kernels_pallas import FORMATS
+from qarl_jax.models import preset
+from qarl_jax.tools import memory_plan
+from qarl_jax.tools.tpu_compile import (
+    Program,
+    check_kernels,
+    compile_on,
+    failure_line,
+    kernel_programs,
+    mosaic_kernels,
+    topology_devices,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_every_kernel_compiles_for_tpu(topology):
+    results = check_kernels([topology], preset("qwen3-moe-tiny"), list(FORMATS), progress=False)
+    failed = [f"{r.program}: {r.error}" for r in results if r.error]
+    assert not failed, failed
+    names = {k.name for r in results for k in r.kernels}
+    for fmt in FORMATS:  # the quantized programs reached Mosaic, not a fallback
+        assert f"qarl_{fmt}_matmul_tpu" in names and f"qarl_{fmt}_grouped_matmul_tpu" in names
+    assert {"qarl_attention_tpu", "qarl_rms_norm_tpu", "qarl_rope_tpu", "qarl_logsumexp_tpu"} <= names
+
+
+def test_v4_refuses_the_int8_formats_in_one_line():
+    """TPU v4 has no int8 MXU: its a8 matmuls fail with one line that says so; bf16 and w4a16 compile."""
+    c = preset("qwen3-tiny")
+    devices = topology_devices("v4:2x2x1")
+    for fmt in FORMATS:
+        program = next(p for p in kernel_programs(c, fmt) if p.name.startswith("matmul"))
+        result = compile_on("v4:2x2x1", program, devices)
+        if fmt in ("w8a8", "w4a8"):
+            assert result.error and "\n" not in result.error and "no int8 matmul unit" in result.error
+        else:
+            assert result.error is None, result.error
+
+
+def test_a_kernel_mosaic_rejects_is_reported_not_hidden():
+    """Negative control: the dot this project's kernels used to ask for (bf16 operands at
+    precision=HIGHEST) is refused, and the refusal is one line."""
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.dot(
+            x_ref[...], x_ref[...], preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+        )
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    program = Program("highest bf16 dot", call, (jax.ShapeDtypeStruct((128, 128), jnp.bfloat16),))
+    result = compile_on("v5e:2x2", program)
+    assert result.error is not None and "\n" not in result.error
+    assert result.error.startswith("Mosaic rejects a kernel") and "Bad lhs type" in result.error
+
+
+def _matmul_kernels(m: int, **tiling) -> list:
+    w = jax.eval_shape(lambda: kp.quantize(jnp.zeros((512, 256)), "w4a16", 128))
+    fn = functools.partial(kp.quantized_matmul, **tiling)
+    program = Program("m", fn, (jax.ShapeDtypeStruct((m, 512), jnp.bfloat16), w))
+    result = compile_on("v5p:2x2x1", program)
+    assert result.error is None, result.error
+    return list(result.kernels)
+
+
+def test_kernel_digest_is_the_program_and_tiling_not_the_rows():
+    """A decode batch and a training chunk run one kernel (same digest, another grid); another K
+    tiling is another kernel (the check can tell them apart)."""
+    (decode,), (train,) = _matmul_kernels(16), _matmul_kernels(160)
+    assert decode.name == train.name == "qarl_w4a16_matmul_tpu"
+    assert decode.digest == train.digest and decode.grid != train.grid
+    (other,) = _matmul_kernels(16, block_k=128)
+    assert other.digest != decode.digest
+
+
+def test_mosaic_kernels_needs_compiled_tpu_text():
+    assert mosaic_kernels("HloModule m\nENTRY e {\n}\n") == []
+    assert failure_line(ValueError("first\nsecond")) == "ValueError: first"
+
+
+# f32 master weights in both; the dense model computes in f32 (the default run: f32 dots at
+# HIGHEST in Mosaic), the MoE in bf16 (what real configs use: bf16 and int8 MXU dots)
+@pytest.mark.parametrize("name, compute", [("qwen3-tiny", "float32"), ("qwen3-moe-tiny", "bfloat16")])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
+    """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update
+    with its gradient through the Mosaic kernels included), and the decode step's quantized matmul
+    kernels are the training programs' own (same Mosaic body and tiling)."""
+    code = memory_plan.main(
+        [
+            "--topology",
+            "v5p:2x2x1",
+            "--json",
+            "model.path=null",
+            f"model.preset={name}",
+            f"model.compute_dtype={compute}",
+            "model.num_hidden_layers=2",
+            f"quant.fmt={fmt}",
+        ]
+    )
+    assert code == 0
+    compiled = json.loads(capsys.readouterr().out)["compiled"]
+    assert compiled["topology"] == "v5p:2x2x1" and compiled["fits"]
+    programs = compiled["programs"]
+    assert set(programs) == {"old_logprobs", "update", "prefill", "decode_step"}
+    decode = {k for k in programs["decode_step"]["mosaic_kernels"] if "matmul" in k}
+    training = set(programs["update"]["mosaic_kernels"]) | set(programs["old_logprobs"]["mosaic_kernels"])
+    assert decode and decode <= training, decode - training
+    assert any(f"qarl_{fmt}_" in k for k in decode)

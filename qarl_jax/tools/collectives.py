@@ -2,13 +2,14 @@
 
 Why from the optimized HLO: the SPMD partitioner decides the collectives (an FSDP weight gathered
 whole before a matmul, a reduction finished with an all-reduce), and a program's source never shows
-them. ``collective_bytes`` adds up the result bytes of every collective one device runs, per call
-of the program: a collective inside a ``while`` body (a scanned layer, a loop over chunks) counts
-once per iteration of XLA's ``known_trip_count`` (where XLA gives none, as for XLA:TPU's
-unrolled ``wide.*`` loops, read from the loop's counter: its start, step and bound); one in a computation a loop or fusion calls counts
-as often as its caller. Result bytes: what an all-gather, all-to-all or collective-permute delivers
-to the device and what an all-reduce or reduce-scatter hands back, a lower bound on its traffic.
-Asynchronous pairs (``all-gather-start`` / ``-done``) count once, by the ``-done``'s result.
+them. ``collective_bytes`` adds up the result bytes of every collective one device runs, per call of
+the program: a collective inside a ``while`` body (a scanned layer, a loop over chunks) counts once
+per iteration of XLA's ``known_trip_count`` (where XLA gives none, as for XLA:TPU's unrolled
+``wide.*`` loops, read from the loop's counter: its start, step and bound); one in a computation a
+loop or fusion calls counts as often as its caller. Result bytes: what an all-gather, all-to-all or
+collective-permute delivers to the device and what an all-reduce or reduce-scatter hands back, a
+lower bound on its traffic. Asynchronous pairs (``all-gather-start`` / ``-done``) count once, by the
+``-done``'s result.
 """
 
 from __future__ import annotations

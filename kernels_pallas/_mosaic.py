@@ -22,9 +22,12 @@ ARBITRARY: Final = "arbitrary"
 SUBLANES, LANES = 8, 128  # a 32-bit VMEM tile
 
 
-def compiler_params(*semantics: Literal["parallel", "arbitrary"]) -> _pltpu.CompilerParams:
-    """Mosaic parameters: grid axes' semantics (a reduction axis is 'arbitrary': it runs in order)."""
-    return _pltpu.CompilerParams(dimension_semantics=semantics)
+def compiler_params(
+    *semantics: Literal["parallel", "arbitrary"], vmem_bytes: int | None = None
+) -> _pltpu.CompilerParams:
+    """Mosaic parameters: grid axes' semantics (a reduction axis is 'arbitrary': it runs in order)
+    and, for a kernel whose blocks outgrow Mosaic's default scoped VMEM, the VMEM it needs."""
+    return _pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes)
 
 
 def interpret_mode(flag: bool) -> _pltpu.InterpretParams | bool:

@@ -365,7 +365,7 @@ def _main(args) -> int:
     results = check_kernels(args.topology, c, fmts, progress=True)
     failed = [r for r in results if r.error]
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in results]))
+        print(json.dumps(dict(preset=args.preset, programs=[dataclasses.asdict(r) for r in results])))
     else:
         for r in failed:
             print(f"{r.topology}: {r.program}: {r.error}")

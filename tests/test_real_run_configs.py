@@ -119,7 +119,15 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     step = {p.name: p.collective for p in moe_programs}["decode_step"]
     assert 0 < step < expert_bytes / 10, (step, expert_bytes)  # rows move (all-to-all), weights do not
     run = {p.name: p.peak for p in programs} | {"weight_sync": 0}
-    cp = dict(programs=programs, run=run, kv_cache=0, peak_program="prefill", total_bytes=1, fits=None)
+    cp = dict(
+        programs=programs,
+        run=run,
+        kv_cache=0,
+        peak_program="prefill",
+        total_bytes=1,
+        fits=None,
+        topology=None,
+    )
     p = dict(hbm_bytes=None, total_bytes=1, peak_phase="update")
     assert compiled_json(cp, p)["programs"]["decode_step"]["collective_bytes"] == moved["data"]["decode_step"]
     assert "moved" in format_compiled(cp, p)

@@ -53,7 +53,7 @@ class ModelConfig:
 class RewardsConfig:
     kind: str = "synthetic"  # a grader from qarl_jax.rewards.GRADERS
     num_workers: int = 2  # grading processes (kinds graded in-process never start them)
-    time_limit_s: float = 5.0  # per sample; a grader past it is killed and the sample scores 0
+    time_limit_s: float = 5.0  # per sample; one past it is graded again with 2x, then scores 0
 
     def __post_init__(self):
         if self.kind not in GRADERS:

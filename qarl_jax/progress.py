@@ -6,7 +6,9 @@ step (every ``run.log_every``) is one line a person can read and ``grep`` can pa
 
     qarl: step 12/240  reward 0.531  acc 0.500  mismatch 0.000  123 tok/s  0.84 s/step
 
-``run.progress=false`` shows neither.
+``run.progress=false`` shows neither. A step whose grader scored samples 0 for want of time or a
+crashed worker (``grader/timeouts``, ``grader/crashes``: a busy host turns correct answers into
+reward 0) always gets a warning line, progress or not.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ def fields(metrics: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def grader_warning(metrics: dict[str, Any]) -> str | None:
+    """What the step's grading lost, in words, or None where it lost nothing."""
+    timeouts, crashes = int(metrics.get("grader/timeouts", 0)), int(metrics.get("grader/crashes", 0))
+    lost = []
+    if timeouts:
+        lost.append(f"{timeouts} ran out of time twice (raise rewards.time_limit_s or lower the load)")
+    if crashes:
+        lost.append(f"{crashes} crashed their grading worker")
+    return f"samples scored 0 without a verdict: {'; '.join(lost)}" if lost else None
+
+
 class StepReport:
     """Steps ``start..total`` of a run, shown as the module docstring says."""
 
@@ -46,6 +59,12 @@ class StepReport:
 
     def step(self, done: int, metrics: dict[str, Any]) -> None:
         """Step ``done`` (1-based) finished with ``metrics``."""
+        if warning := grader_warning(metrics):
+            line = f"qarl: step {done}: {warning}"
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
         logged = done % self.log_every == 0 or done == self.total
         if self.bar is not None:
             if logged:

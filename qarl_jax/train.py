@@ -47,7 +47,7 @@ from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
 from qarl_jax.evaluation import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.progress import StepReport
-from qarl_jax.rewards import Grader
+from qarl_jax.rewards import GRADER_COUNTS, Grader
 from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import RolloutBatch, bucketed_length
@@ -211,12 +211,15 @@ class Loop:
             "truncated": np.asarray([s.finish_reason == "length" for s in flat]),
             "seconds": np.asarray([[produced.rollout_s, seconds]]),
             "tokens": np.asarray([produced.tokens]),
+            "grader": np.asarray([list(self.grader.counts_since_last_call().values())]),
         }
         if dynamic:
             local["dynamic"] = np.asarray([[dynamic[k] for k in sorted(dynamic)]], np.float32)
         every_host = distributed.gather(local)
         rewards, lengths, truncated = (every_host[k] for k in ("rewards", "lengths", "truncated"))
         rollout_s, seconds = every_host["seconds"].max(axis=0)  # the slowest host's
+        # graded, retries, timeouts, crashes, errors: every host's since the last step's metrics
+        grading = dict(zip(GRADER_COUNTS, every_host["grader"].sum(axis=0).tolist(), strict=True))
         # groups dropped / missing: every host's; rounds: the most any host drew
         reduce = {"resample_rounds": np.max}
         if dynamic:
@@ -236,6 +239,8 @@ class Loop:
             **{f"dynamic/{k}": v for k, v in dynamic.items()},
             "time/step_s": float(seconds),
             "time/rollout_tokens_per_s": float(every_host["tokens"].sum() / rollout_s),
+            # samples a busy host's grader cut short: graded again, or scored 0 for time
+            **{f"grader/{k}": grading[k] for k in GRADER_COUNTS[1:]},
             **clock.metrics(float(seconds)),
             **self.engine.sync.metrics(),  # the move of the new frozen weights to the engine's layout
         }

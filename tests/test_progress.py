@@ -44,3 +44,15 @@ def test_a_terminal_gets_a_bar_and_progress_false_nothing():
     report.step(1, METRICS)
     report.close()
     assert quiet.getvalue() == ""
+
+
+def test_samples_scored_0_without_a_verdict_are_always_warned_of():
+    log = io.StringIO()
+    report = StepReport(start=0, total=4, log_every=4, show=False, stream=log)
+    report.step(1, METRICS | {"grader/timeouts": 0, "grader/crashes": 0})
+    report.step(2, METRICS | {"grader/timeouts": 3, "grader/crashes": 1})
+    report.close()
+    assert log.getvalue().splitlines() == [
+        "qarl: step 2: samples scored 0 without a verdict: 3 ran out of time twice (raise"
+        " rewards.time_limit_s or lower the load); 1 crashed their grading worker"
+    ]

@@ -2,6 +2,15 @@
 
 from qarl_jax.rewards.latex import grade_math
 from qarl_jax.rewards.numbers import extract_number, grade_number, parse_reference
-from qarl_jax.rewards.pool import GRADERS, Grader, grade
+from qarl_jax.rewards.pool import GRADER_COUNTS, GRADERS, Grader, grade
 
-__all__ = ["GRADERS", "Grader", "extract_number", "grade", "grade_math", "grade_number", "parse_reference"]
+__all__ = [
+    "GRADER_COUNTS",
+    "GRADERS",
+    "Grader",
+    "extract_number",
+    "grade",
+    "grade_math",
+    "grade_number",
+    "parse_reference",
+]

@@ -28,7 +28,7 @@ import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FORMATS = ("bf16", "w8a8", "w4a16")
+FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
 MODELS = ("qwen3-tiny", "qwen3-moe-tiny")
 FILES = {  # stage -> result file in $OUT, in the order the stages run
     "kernels": "a_kernels.json",
@@ -324,7 +324,7 @@ def _judge(value: float | None, target: float, at_least: bool, judged: bool) -> 
 def _kernel_rows(out_dir: pathlib.Path, ran: dict[str, str]) -> list[Row]:
     a, rows = _load(out_dir, "kernels"), []
     for part, what in (("accuracy", "kernel accuracy"), ("invariance", "kernel row invariance")):
-        what += " (bf16/w8a8/w4a16 + grouped)"
+        what += " (" + "/".join(FORMATS) + " + grouped)"
         res = a.get(part, {"error": _why("kernels", ran)})
         if "error" in res:
             rows.append((what, res["error"][:70], "all ok", "no"))

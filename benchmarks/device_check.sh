@@ -6,12 +6,12 @@
 #
 # Stages, in this order, each under a time limit (and a global deadline: about 5 minutes on the
 # H200), each writing its JSON to $OUT as soon as it has a part:
-#   kernels      a_kernels.json     kernel accuracy + row invariance (bf16/w8a8/w4a16, dense and
+#   kernels      a_kernels.json     kernel accuracy + row invariance (bf16/w8a8/w4a16/w4a8, dense and
 #                                   grouped MoE), AQT quantizer == formats, AQT TRAIN == SERVE
 #   alignment    b_alignment.json   check_alignment, tiny dense + MoE presets: every aligned cell,
 #                                   then naive ones (reported, no target) while a budget lasts
 #                                   (--naive-budget-s; --cells picks the model:format cells)
-#   kernel_speed c_kernels.json     benchmarks/kernels.py at decode shapes (M = 1, 16)
+#   kernel_speed c_kernels.json     benchmarks/kernel_speed.py at decode shapes (M = 1, 16)
 #   rollout      c_rollout.json     benchmarks/rollout.py sweep: bf16/w8a8/w4a16 at batch 16/64/256
 #   hf           c_hf.json          the same sweep with Hugging Face generate (PyTorch), if present
 #   train_step   c_train_step.json  benchmarks/train_step.py: aligned w4a16 step vs bf16 step
@@ -94,8 +94,8 @@ main() {
     local rollout_mode b_budget k_budget r_budget h_budget
     local -a small=() kshapes=() cell_args=() train=() limits=()
     if [[ $mode == gpu ]]; then
-        DEADLINE=285
-        limits=(75 100 30 70 40 45 60) # per stage, in the order they run
+        DEADLINE=315
+        limits=(75 130 30 70 40 45 60) # per stage, in the order they run
         b_budget=60 k_budget=15 r_budget=35 h_budget=15
         kshapes=(--shapes 4096x4096,8192x8192)
         rollout_mode=--gpu-shape
@@ -119,8 +119,8 @@ main() {
         --out "$OUT/a_kernels.json" "${small[@]}"
     stage alignment "${limits[1]}" "$PY" benchmarks/device_check.py alignment \
         --out "$OUT/b_alignment.json" "${small[@]}" --budget-s "$b_budget" "${cell_args[@]}"
-    stage kernel_speed "${limits[2]}" "$PY" benchmarks/kernels.py "${small[@]}" "${kshapes[@]}" --ms 1,16 \
-        --formats bf16,w8a8,w4a16 --budget-s "$k_budget" --json "$OUT/c_kernels.json"
+    stage kernel_speed "${limits[2]}" "$PY" benchmarks/kernel_speed.py "${small[@]}" "${kshapes[@]}" --ms 1,16 \
+        --formats bf16,w8a8,w4a16,w4a8 --budget-s "$k_budget" --json "$OUT/c_kernels.json"
     stage rollout "${limits[3]}" "$PY" benchmarks/rollout.py "$rollout_mode" --batches 16,64,256 \
         --formats bf16,w4a16,w8a8 --budget-s "$r_budget" --json "$OUT/c_rollout.json"
     stage hf "${limits[4]}" "$PY" benchmarks/rollout.py "$rollout_mode" --hf --batches 16,64,256 \

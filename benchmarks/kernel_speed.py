@@ -1,8 +1,8 @@
 """Quantized matmul kernels vs XLA's bf16 dot, side by side in one run, one table.
 
-    python benchmarks/kernels.py            # the accelerator's kernels at decode and training shapes
-    python benchmarks/kernels.py --small    # tiny shapes; on CPU only proves the script works
-    python benchmarks/kernels.py --shapes 4096x4096 --ms 1,16 --formats bf16,w8a8,w4a16 --budget-s 20
+    python benchmarks/kernel_speed.py            # the accelerator's kernels at decode and training shapes
+    python benchmarks/kernel_speed.py --small    # tiny shapes; on CPU only proves the script works
+    python benchmarks/kernel_speed.py --shapes 4096x4096 --ms 1,16 --formats bf16,w8a8,w4a16 --budget-s 20
 
 Per (K, N, M): median time per matmul, achieved TB/s over the weight bytes, TFLOP/s, and the
 speed-up over XLA's bf16 ``jnp.dot`` on the same shape. Every timed call runs a run of matmuls
@@ -10,6 +10,8 @@ over enough weight copies (at least 4) that an H200's 60 MB L2 cannot hold them.
 ``kernels_pallas.quantized_matmul`` on the default backend (GPU: Pallas-Triton, TPU: Pallas
 Mosaic, CPU: the plain-JAX row-block path).
 JSON goes to ``--json`` (default $OUT/kernels.json, OUT defaults to ./out), rewritten after every row.
+(Not named ``kernels.py``: a script's folder is first on ``sys.path``, and ``transformers`` imports
+the PyPI package ``kernels`` when it finds one, so ``rollout.py --hf`` beside it failed to import.)
 """
 
 from __future__ import annotations

@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m qarl_jax.experiments.regime", description=cli.plain(__doc__.split("\n\n")[0])
     )
     parser.add_argument("--config", default=str(REPO / "configs" / "replication_long.yaml"))
-    parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
+    parser.add_argument(
+        "--out",
+        help="results folder (default results/<config name>[-quick]); measured cells in it are "
+        "reused: the default holds the committed sweep",
+    )
     parser.add_argument("--lengths", default="steps4,steps24", help=f"comma-separated, from {list(LENGTHS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {list(FORMATS)}")
     parser.add_argument("--quick", action="store_true", help="few prompts, short answers: a smoke test")

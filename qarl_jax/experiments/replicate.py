@@ -94,10 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m qarl_jax.experiments.replicate", description=f"{intro}: {', '.join(ARMS)}."
     )
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated integers")
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="comma-separated integers (the long study ran 0,1,2,3,4)"
+    )
     parser.add_argument("--quick", action="store_true", help="one seed, 3 steps: a smoke test")
     parser.add_argument("--config", default=str(BASE_CONFIG), help="the study's shared settings")
-    parser.add_argument("--out", help="results folder (default results/<config name>[-quick])")
+    parser.add_argument(
+        "--out",
+        help="results folder (default results/<config name>[-quick]); finished runs in it are reused, "
+        "not retrained: the default holds the committed studies",
+    )
     parser.add_argument("--summarize", action="store_true", help="only recompute the summaries (no training)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every arm, e.g. run.steps=50")
     args = parser.parse_args(argv)

@@ -1,0 +1,174 @@
+"""The rollout's log-probs on the tensor-parallel engine layouts against the training forward's, bit
+for bit, under the settings real runs use: float32 master weights and bfloat16 compute, every
+format, on random ``transformers`` checkpoints whose shapes are unlike the presets' (untied, a
+vocabulary and widths that are not powers of two, head sizes 24 and 48, w4 groups of 64). Every
+cell here lost its bits before 971f68d for bf16 and the a8 formats (the engine's one-block program
+lacked the training forward's per-block barrier, and XLA dropped the activations' bf16 rounding).
+
+What each cell compares (8 fake CPU devices): the training forward (``policy_logprobs`` on the master
+weights, the trainer's mesh data=2 x fsdp=4, ``tensor_blocks`` = the layout's tensor degree) and
+the engine's arithmetic on its own layout (frozen weights quantized on the training mesh, moved by
+the engine's ``WeightSync``, the engine's rules): a prefill over the KV cache, then single-token
+decode steps over it, each token's log-prob picked from ``ops.log_softmax`` as the sampler does.
+Teacher-forced on given tokens, so the engine's programs compile once per cell and every position
+is compared. (The whole engine, sampling and slot refills included, against the trainer's loss under
+``value_and_grad``: ``test_tools_check_alignment``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from qarl_jax import sharding
+from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.models.hf_io import from_pretrained
+from qarl_jax.models.ops import log_softmax
+from qarl_jax.models.qwen3 import KVCache
+from qarl_jax.quant import QuantSpec
+from qarl_jax.rl.logprobs import policy_logprobs
+from qarl_jax.rollout import layout
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=192,
+    intermediate_size=320,
+    num_hidden_layers=1,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+SHAPES = {
+    "dense": dict(COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=24),
+    "moe": dict(
+        COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),
+}
+LAYOUTS = {  # model -> the tensor-parallel rollout.mesh layouts it is checked on
+    "dense": {
+        "tensor2": layout.RolloutMesh(data=4, tensor=2),
+        "tensor4": layout.RolloutMesh(data=2, tensor=4),
+    },
+    "moe": {"tensor2-expert2": layout.RolloutMesh(data=2, tensor=2, expert=2)},
+}
+FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
+GROUP = 64  # w4 groups: divide every K here (192, 320, 64), unlike the presets' 128
+ROWS, PROMPT, STEPS = 8, 6, 2  # 8 sequences: 6 prompt tokens by prefill, then one decode step
+
+
+def save_checkpoint(kind: str, path) -> None:
+    """A random transformers checkpoint perturbed away from its init (unit norms, near-zero
+    routers and equal experts would hide differences), saved by ``save_pretrained``."""
+    if kind == "moe":
+        model_cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**SHAPES[kind])
+    else:
+        model_cls, config = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**SHAPES[kind])
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    out = {}
+    for kind in SHAPES:
+        out[kind] = tmp_path_factory.mktemp(kind)
+        save_checkpoint(kind, out[kind])
+    return out
+
+
+@functools.cache
+def _host_params(path: str, param_dtype: str, compute_dtype: str):
+    model, params, _ = from_pretrained(path, dtype=param_dtype, compute_dtype=compute_dtype)
+    return model.config, jax.tree.map(np.asarray, params)
+
+
+def _tokens(vocab: int) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, vocab, (ROWS, PROMPT + STEPS)).astype(np.int32)
+
+
+TRAINING = sharding.MeshConfig(data=2, fsdp=4)
+
+
+def training_logprobs(model: Qwen3ForCausalLM, params, tokens: np.ndarray) -> np.ndarray:
+    """The trainer's log-probs of tokens[:, 1:] on its mesh (data 2 x fsdp 4), from master weights."""
+    mesh = sharding.make_mesh(TRAINING, jax.devices()[:8])
+    with sharding.activate(mesh, TRAINING.rules):
+        placed = jax.device_put(params, sharding.param_shardings(model, mesh, TRAINING.rules))
+        rows = sharding.batch_sharding(mesh, 2, TRAINING.rules, rows=ROWS)
+        x, y = (jax.device_put(a, rows) for a in (tokens[:, :-1], tokens[:, 1:]))
+        return np.asarray(jax.jit(lambda p, x, y: policy_logprobs(model, p, x, None, None, y))(placed, x, y))
+
+
+def engine_logprobs(model: Qwen3ForCausalLM, params, mesh_layout: layout.RolloutMesh, tokens) -> np.ndarray:
+    """The engine's log-probs of tokens[:, 1:] on its layout: frozen on the training mesh, moved by
+    WeightSync; a prefill of the first PROMPT tokens, then one decode step per further token."""
+    train_mesh = sharding.make_mesh(TRAINING, jax.devices()[:8])
+    with sharding.activate(train_mesh, TRAINING.rules):
+        placed = jax.device_put(params, sharding.param_shardings(model, train_mesh, TRAINING.rules))
+        frozen = jax.jit(lambda p: layout.freeze(p, model.quant, model))(placed)
+    mesh = layout.engine_mesh(mesh_layout, jax.devices()[:8])
+    frozen = layout.WeightSync(layout.frozen_shardings(model, frozen, mesh))(frozen)
+    rules = layout.ENGINE_RULES
+
+    def run(p, tokens):
+        cache = KVCache.init(model.config, ROWS, PROMPT + STEPS)
+        spec = sharding.fitting_spec(cache.k.shape, KVCache.logical_axes, mesh, rules)
+        cache = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec)), cache)
+        positions = jnp.broadcast_to(jnp.arange(PROMPT + STEPS, dtype=jnp.int32), tokens.shape)
+        decode = functools.partial(model.apply, {"params": p}, method="decode")
+        logits, cache = decode(tokens[:, :PROMPT], positions[:, :PROMPT], cache)
+        steps = [logits]
+        for t in range(PROMPT, PROMPT + STEPS - 1):
+            logits, cache = decode(tokens[:, t : t + 1], positions[:, t : t + 1], cache)
+            steps.append(logits)
+        logp = log_softmax(jnp.concatenate(steps, axis=1))
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+    with sharding.activate(mesh, rules):
+        rows = sharding.batch_sharding(mesh, 2, rules, rows=ROWS)
+        return np.asarray(jax.jit(run)(frozen, jax.device_put(tokens, rows)))
+
+
+def mismatches(path, param_dtype: str, compute_dtype: str, fmt: str, layouts) -> dict[str, str]:
+    """{layout: what differs} over ``layouts`` (name -> rollout mesh) of one (checkpoint, dtypes,
+    format); empty: bitwise everywhere. The training forward runs once per tensor degree."""
+    config, params = _host_params(str(path), param_dtype, compute_dtype)
+    spec = QuantSpec(fmt, group_size=GROUP if fmt.startswith("w4") else None)
+    tokens = _tokens(config.vocab_size)
+    trained: dict[int, np.ndarray] = {}
+    bad = {}
+    for name, mesh_layout in layouts.items():
+        model = Qwen3ForCausalLM(config.replace(tensor_blocks=mesh_layout.tensor), spec)
+        if mesh_layout.tensor not in trained:
+            trained[mesh_layout.tensor] = training_logprobs(model, params, tokens)
+        want, got = trained[mesh_layout.tensor], engine_logprobs(model, params, mesh_layout, tokens)
+        assert np.all(np.isfinite(want)) and want.shape == got.shape == (ROWS, PROMPT + STEPS - 1)
+        if not np.array_equal(want, got):
+            d = np.abs(want.astype(np.float64) - got)
+            bad[name] = f"{np.mean(want == got):.0%} bitwise, max diff {d.max():.3g}"
+    return bad
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_tensor_layouts_give_the_training_bits_f32_masters_bf16_compute(checkpoints, kind, fmt):
+    """The configs' settings (f32 master weights, bf16 compute) on the tensor-parallel layouts."""
+    assert mismatches(checkpoints[kind], "float32", "bfloat16", fmt, LAYOUTS[kind]) == {}

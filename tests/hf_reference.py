@@ -76,16 +76,21 @@ CASES = {
 }
 
 
-def make_hf_model(case: str, seed: int = 0):
-    """A random transformers model perturbed away from its default init (norm weights of ones,
-    zero-ish routers would hide bugs)."""
-    model_cls, config_cls, kwargs = CASES[case]
+def random_model(model_cls, config, seed: int = 0, scale: float = 0.2):
+    """A random transformers model perturbed away from its default init by ``scale`` x N(0, 1)
+    (norm weights of ones, zero-ish routers and equal experts would hide bugs)."""
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+            p.add_(torch.randn_like(p) * scale)
     return model
+
+
+def make_hf_model(case: str, seed: int = 0):
+    """:func:`random_model` of one of the :data:`CASES`."""
+    model_cls, config_cls, kwargs = CASES[case]
+    return random_model(model_cls, config_cls(**kwargs), seed)
 
 
 def padded_batch(vocab: int, batch: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

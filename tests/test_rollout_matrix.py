@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import random_model
 from jax.sharding import NamedSharding
+from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3ForCausalLM as HfQwen3
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
@@ -33,9 +36,6 @@ from qarl_jax.models.qwen3 import KVCache
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rollout import layout
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 COMMON = dict(
     vocab_size=300,
@@ -71,18 +71,9 @@ ROWS, PROMPT, STEPS = 8, 6, 2  # 8 sequences: 6 prompt tokens by prefill, then o
 
 
 def save_checkpoint(kind: str, path) -> None:
-    """A random transformers checkpoint perturbed away from its init (unit norms, near-zero
-    routers and equal experts would hide differences), saved by ``save_pretrained``."""
-    if kind == "moe":
-        model_cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**SHAPES[kind])
-    else:
-        model_cls, config = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**SHAPES[kind])
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
+    """A random transformers checkpoint perturbed away from its init, saved by ``save_pretrained``."""
+    model_cls, config_cls = (Qwen3MoeForCausalLM, Qwen3MoeConfig) if kind == "moe" else (HfQwen3, Qwen3Config)
+    random_model(model_cls, config_cls(**SHAPES[kind]), seed=0, scale=0.05).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")

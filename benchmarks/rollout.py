@@ -31,7 +31,7 @@ import numpy as np
 
 import kernels_pallas
 from qarl_jax import quant
-from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, save_pretrained
+from qarl_jax.models import PRESETS, Qwen3ForCausalLM, TransformerConfig, init_params, save_pretrained
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 CPU_SHAPE = dict(
@@ -52,7 +52,7 @@ NAIVE_FORMATS = ("bf16", "w4a16")  # also run on XLA's own ops (backend "xla"), 
 TIE_GAP = 1e-4
 
 
-def engine_runner(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, backend=None):
+def engine_runner(config: TransformerConfig, params, fmt: str, prompts: np.ndarray, new: int, backend=None):
     """(run() -> tokens [B, new], compile+first-run seconds, quantize+engine-build seconds) of our
     engine in ``fmt``; ``backend`` "xla" traces it with XLA's own (non-invariant) ops instead of the
     invariant kernels."""
@@ -80,7 +80,7 @@ def engine_runner(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, ne
     return run, time.perf_counter() - start, setup
 
 
-def engine_run(config: Qwen3Config, params, fmt: str, prompts: np.ndarray, new: int, repeats: int):
+def engine_run(config: TransformerConfig, params, fmt: str, prompts: np.ndarray, new: int, repeats: int):
     """(tokens [B, new], best tokens/s, compile+first-run seconds, quantize+engine-build seconds) of
     our engine in ``fmt``."""
     run, first, setup = engine_runner(config, params, fmt, prompts, new)
@@ -134,7 +134,7 @@ def cpu_benchmark(batch: int, prompt_len: int, new: int, rounds: int) -> dict:
     order, so a machine that drifts (other load, clocks) cannot favour one side; each ratio is taken
     round by round and its median reported. The "xla" engines run XLA's own non-invariant ops (the
     naive program): ours / theirs is what the invariance costs."""
-    config = Qwen3Config(**CPU_SHAPE)
+    config = TransformerConfig(**CPU_SHAPE)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt_len)).astype(np.int32)
     with tempfile.TemporaryDirectory() as path:
@@ -196,7 +196,7 @@ def sweep(
 ) -> dict:
     """Our engine's tokens/s per batch (outer) and format (inner), starting no cell after ``budget_s``."""
     start = time.perf_counter()
-    config = Qwen3Config(**shape, param_dtype="bfloat16", dtype="bfloat16")
+    config = TransformerConfig(**shape, param_dtype="bfloat16", dtype="bfloat16")
     params = jax.block_until_ready(init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
     report = {"shape": shape, "prompt": prompt_len, "new_tokens": new}
     report["init_s"] = round(time.perf_counter() - start, 1)
@@ -242,7 +242,7 @@ def hf_sweep(
         return report | {"unavailable": f"{type(err).__name__}: {err}"}
     if device == "cuda" and not torch.cuda.is_available():
         return report | {"unavailable": f"torch {torch.__version__} sees no CUDA device"}
-    hf = Qwen3Config(**shape).to_hf()
+    hf = TransformerConfig(**shape).to_hf()
     hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

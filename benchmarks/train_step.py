@@ -16,7 +16,7 @@ unchanged on the GPU machine.
     python benchmarks/train_step.py [--preset qwen3-small] [--batch 16] [--length 256]
         [--dtype bfloat16] [--repeats 5] [--xla] [--json OUT] [--set hidden_size=2048 ...]
 
-``--set KEY=VALUE`` overrides any field of the preset's Qwen3Config (a larger model from a small
+``--set KEY=VALUE`` overrides any field of the preset's TransformerConfig (a larger model from a small
 preset); ``--json`` is rewritten after every format, so a run killed at a time limit keeps those.
 """
 

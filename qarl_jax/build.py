@@ -19,7 +19,7 @@ from qarl_jax.config import Config, ModelConfig
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 
@@ -32,7 +32,7 @@ def model_dir(path: str) -> pathlib.Path:
     return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
 
 
-def architecture(config: Config) -> Qwen3Config:
+def architecture(config: Config) -> TransformerConfig:
     """The policy's architecture: the preset's, or the checkpoint's config.json (no weights read),
     computing in the column blocks a tensor-parallel rollout of ``rollout.mesh.tensor`` needs."""
     m = config.model

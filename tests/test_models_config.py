@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from qarl_jax.models import PRESETS, Qwen3Config, Qwen3ForCausalLM, init_params, preset
+from qarl_jax.models import PRESETS, Qwen3ForCausalLM, TransformerConfig, init_params, preset
 
 # published checkpoints' architectures (for planning)
 REAL = ("qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b")
@@ -24,7 +24,7 @@ def test_presets_are_tiny_and_int4_groupable(name):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_hf_config_round_trip(name):
     config = preset(name)
-    assert Qwen3Config.from_hf(config.to_hf()) == config
+    assert TransformerConfig.from_hf(config.to_hf()) == config
 
 
 def test_moe_layer_rule():
@@ -37,7 +37,7 @@ def test_legacy_rope_theta_and_num_local_experts():
     raw.pop("rope_parameters")
     raw["rope_theta"] = 123.0
     raw["num_local_experts"] = raw.pop("num_experts")
-    c = Qwen3Config.from_hf(raw)
+    c = TransformerConfig.from_hf(raw)
     assert (c.rope_theta, c.num_experts) == (123.0, 8)
 
 
@@ -67,4 +67,4 @@ def test_invalid_configs(change, match):
 def test_unsupported_hf_configs(change, match):
     raw = dict(preset("qwen3-tiny").to_hf(), **change)
     with pytest.raises(ValueError, match=match):
-        Qwen3Config.from_hf(raw, source="x/config.json")
+        TransformerConfig.from_hf(raw, source="x/config.json")

@@ -1,4 +1,4 @@
-"""Scanned layers (``Qwen3Config.scan_layers``): the stacked layout, its bits (the same as the
+"""Scanned layers (``TransformerConfig.scan_layers``): the stacked layout, its bits (the same as the
 per-layer model's, training forward and KV-cache decode alike, so rollout == training still holds),
 remat policies, Hugging Face import/export, routing read-back, sharding and orbax checkpoints."""
 

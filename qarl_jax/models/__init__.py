@@ -1,6 +1,6 @@
 """Qwen3 dense and MoE models (Flax linen), their configs, presets and Hugging Face import/export."""
 
-from qarl_jax.models.config import PRESETS, Qwen3Config, preset
+from qarl_jax.models.config import PRESETS, TransformerConfig, preset
 from qarl_jax.models.hf_io import CheckpointError, from_pretrained, load_tokenizer, save_pretrained
 from qarl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM, init_params, init_sharded
 
@@ -8,7 +8,7 @@ __all__ = [
     "PRESETS",
     "CheckpointError",
     "KVCache",
-    "Qwen3Config",
+    "TransformerConfig",
     "Qwen3ForCausalLM",
     "from_pretrained",
     "init_params",

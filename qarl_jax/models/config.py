@@ -57,7 +57,7 @@ def dtype_name(dtype: Any, what: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
+class TransformerConfig:
     """Architecture of a Qwen3 dense or MoE causal LM (field names follow ``config.json``)."""
 
     vocab_size: int
@@ -96,7 +96,7 @@ class Qwen3Config:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -108,13 +108,13 @@ class Qwen3Config:
             raise ValueError("a MoE config needs moe_intermediate_size > 0")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
-                f"Qwen3Config.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}"
+                f"TransformerConfig.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}"
             )
         for name in ("param_dtype", "dtype"):
-            object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
+            object.__setattr__(self, name, dtype_name(getattr(self, name), f"TransformerConfig.{name}"))
         if self.tensor_blocks < 1 or self.num_attention_heads % self.tensor_blocks:
             raise ValueError(
-                f"Qwen3Config.tensor_blocks={self.tensor_blocks} must be >= 1 and divide the "
+                f"TransformerConfig.tensor_blocks={self.tensor_blocks} must be >= 1 and divide the "
                 f"{self.num_attention_heads} attention heads (a block holds whole heads)"
             )
 
@@ -140,11 +140,11 @@ class Qwen3Config:
     def architecture(self) -> str:
         return "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
 
-    def replace(self, **changes) -> Qwen3Config:
+    def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json", **overrides) -> Qwen3Config:
+    def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json", **overrides) -> TransformerConfig:
         """Build from a parsed ``config.json``; raises naming ``source`` on what it cannot run."""
         archs = cfg.get("architectures") or []
         arch = (
@@ -241,7 +241,7 @@ class Qwen3Config:
 
 # Tiny presets for tests and the CPU default: hidden/intermediate sizes are multiples of 128 so
 # int4 group quantization (group 128) applies to every projection.
-_TINY = Qwen3Config(
+_TINY = TransformerConfig(
     vocab_size=128,
     hidden_size=128,
     intermediate_size=384,
@@ -253,7 +253,7 @@ _TINY = Qwen3Config(
     tie_word_embeddings=True,
     max_position_embeddings=512,
 )
-_QWEN3_1_7B = Qwen3Config(
+_QWEN3_1_7B = TransformerConfig(
     vocab_size=151936,
     hidden_size=2048,
     intermediate_size=6144,
@@ -266,7 +266,7 @@ _QWEN3_1_7B = Qwen3Config(
     tie_word_embeddings=True,
     max_position_embeddings=40960,
 )
-PRESETS: dict[str, Qwen3Config] = {
+PRESETS: dict[str, TransformerConfig] = {
     "qwen3-tiny": _TINY,  # 0.8M params
     "qwen3-small": _TINY.replace(  # 4.7M params
         hidden_size=256,
@@ -317,7 +317,7 @@ PRESETS["qwen3-235b-a22b"] = PRESETS["qwen3-30b-a3b"].replace(
 )
 
 
-def preset(name: str, **overrides) -> Qwen3Config:
+def preset(name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)

@@ -3,7 +3,7 @@
 Tensors are streamed one at a time (read, transpose to the Flax [in, out] layout, cast, place on
 devices, drop), so peak host memory stays near the size of the parameters themselves. Experts are
 stored per expert on the Hub (``mlp.experts.{j}.gate_proj.weight``) and stacked [E, in, out] here.
-A scanned model (``Qwen3Config.scan_layers``) stacks each run's layers on a leading axis too: a
+A scanned model (``TransformerConfig.scan_layers``) stacks each run's layers on a leading axis too: a
 stacked parameter is assembled on the host from its layers' tensors, then placed.
 """
 
@@ -23,7 +23,7 @@ from jax.typing import DTypeLike
 from safetensors.numpy import save_file
 
 from qarl_jax.errors import CheckpointError
-from qarl_jax.models.config import Qwen3Config, dtype_name
+from qarl_jax.models.config import TransformerConfig, dtype_name
 from qarl_jax.models.qwen3 import Qwen3ForCausalLM
 from qarl_jax.models.stacking import layer_location
 
@@ -102,7 +102,9 @@ class SafetensorsReader:
         os.close(self._fd)
 
 
-def tensor_layout(config: Qwen3Config) -> Iterator[tuple[tuple[str, ...], str | list[str], tuple[int, ...]]]:
+def tensor_layout(
+    config: TransformerConfig,
+) -> Iterator[tuple[tuple[str, ...], str | list[str], tuple[int, ...]]]:
     """(param path, HF tensor name(s), our shape) for every parameter; experts list one name each."""
     c = config
     h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -148,7 +150,7 @@ def _is_kernel(path: tuple[str, ...]) -> bool:
     return path[-1] == "kernel"
 
 
-def param_location(config: Qwen3Config, path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
+def param_location(config: TransformerConfig, path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
     """Where a :func:`tensor_layout` path lives in ``config``'s params: (path, index on the stacked
     layer axis, or None when the leaf is not stacked)."""
     if not path[0].startswith("layers_"):
@@ -203,7 +205,7 @@ def _place(arr: np.ndarray, dtype, sharding) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
-def load_params(ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | None = None) -> dict:
+def load_params(ckpt: str | os.PathLike, config: TransformerConfig, shardings: dict | None = None) -> dict:
     """Stream the checkpoint's tensors into a params tree (optionally placed with ``shardings``,
     a tree of ``jax.sharding.Sharding`` matching the params)."""
     ckpt = pathlib.Path(ckpt)
@@ -258,7 +260,7 @@ def load_params(ckpt: str | os.PathLike, config: Qwen3Config, shardings: dict | 
     return params
 
 
-def load_config(ckpt: str | os.PathLike, **overrides) -> Qwen3Config:
+def load_config(ckpt: str | os.PathLike, **overrides) -> TransformerConfig:
     f = pathlib.Path(ckpt) / "config.json"
     if not f.exists():
         raise CheckpointError(f"{ckpt}: config.json is missing (not a Hugging Face model directory?)")
@@ -267,7 +269,7 @@ def load_config(ckpt: str | os.PathLike, **overrides) -> Qwen3Config:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{f}: invalid JSON ({e})") from e
     try:
-        return Qwen3Config.from_hf(raw, source=str(f), **overrides)
+        return TransformerConfig.from_hf(raw, source=str(f), **overrides)
     except (TypeError, ValueError) as e:  # an architecture or setting this package does not run
         raise CheckpointError(str(e)) from e
 
@@ -298,7 +300,7 @@ def from_pretrained(
     ``model.apply({"params": params}, tokens)`` gives logits. ``dtype`` is the parameter dtype,
     ``compute_dtype`` the matmul dtype (default: ``dtype``), each a name or a JAX/NumPy dtype;
     ``shardings`` places each tensor directly with its sharding (see
-    ``qarl_jax.sharding.param_shardings``); ``overrides`` are further :class:`Qwen3Config` fields
+    ``qarl_jax.sharding.param_shardings``); ``overrides`` are further :class:`TransformerConfig` fields
     (``scan_layers=True``: the stacked layout)."""
     dtype = dtype_name(dtype, "from_pretrained dtype")
     compute_dtype = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
@@ -317,7 +319,7 @@ def _host_array(x) -> np.ndarray:
 
 def save_pretrained(
     ckpt: str | os.PathLike,
-    config: Qwen3Config,
+    config: TransformerConfig,
     params: dict,
     tokenizer=None,
     max_shard_bytes: int = 2 * 1024**3,

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from qarl_jax import quant
 from qarl_jax.models import ops
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.config import TransformerConfig
 
 # Tokens per MoE chunk: a longer sequence's routed rows (tokens x top_k copies of the hidden state,
 # and their expert activations) are built and differentiated this many tokens at a time.
@@ -35,7 +35,7 @@ def moe(
     x: jax.Array,
     router: jax.Array,
     expert_weights,
-    c: Qwen3Config,
+    c: TransformerConfig,
     spec: quant.QuantSpec | None,
     axis: str | None = None,
     split: bool = True,
@@ -66,7 +66,7 @@ def moe(
     return out.reshape(b, t, hdim), experts.reshape(b, t, c.num_experts_per_tok)
 
 
-def _moe_tokens(tokens, router, expert_weights, c: Qwen3Config, spec, axis: str | None, split: bool):
+def _moe_tokens(tokens, router, expert_weights, c: TransformerConfig, spec, axis: str | None, split: bool):
     """(output [N, H], chosen experts [N, top_k]) of the routed experts on ``tokens`` [N, H]."""
     k = c.num_experts_per_tok
     n = tokens.shape[0]
@@ -91,7 +91,7 @@ def _moe_tokens(tokens, router, expert_weights, c: Qwen3Config, spec, axis: str 
     return sum_in_order([rows[:, i] * weights[:, i : i + 1] for i in range(k)]), experts
 
 
-def _expert_rows(tokens, experts, expert_weights, c: Qwen3Config, spec, axis: str | None):
+def _expert_rows(tokens, experts, expert_weights, c: TransformerConfig, spec, axis: str | None):
     """[N, top_k, H]: each (token, k) pair's expert output, zero where another device of ``axis``
     owns the expert. Pairs are sorted by expert into contiguous groups for one grouped matmul per
     projection (static shapes: N * top_k rows whatever the routing); this device's experts' groups

@@ -30,7 +30,7 @@ from kernels_pallas import fused, rowwise
 from kernels_pallas.attention import Visibility
 from qarl_jax import quant, sharding
 from qarl_jax.models import moe, ops
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.ops import MATMUL_OUTPUT
 from qarl_jax.models.stacking import layer_runs
 
@@ -48,7 +48,7 @@ class KVCache:
     logical_axes: ClassVar[tuple[str | None, ...]] = (None, "batch", None, "kv_heads", None)
 
     @classmethod
-    def init(cls, config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
+    def init(cls, config: TransformerConfig, batch: int, max_len: int, dtype=None) -> KVCache:
         shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
         dtype = dtype or jnp.dtype(config.dtype)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
@@ -73,7 +73,7 @@ class Dense(nn.Module):
     features: int
     kind: str  # attention | mlp | lm_head | router: selects the format in QuantSpec
     axes: tuple[str | None, str | None]
-    config: Qwen3Config
+    config: TransformerConfig
     quant: quant.QuantSpec | None
 
     @nn.compact
@@ -127,14 +127,14 @@ class _NormScale(nn.Module):
         )
 
 
-def _norm_weights(c: Qwen3Config, dim: int, name: str) -> dict:
+def _norm_weights(c: TransformerConfig, dim: int, name: str) -> dict:
     return {"scale": _NormScale(dim, c.param_dtype, name=name)()}
 
 
 class AttentionWeights(nn.Module):
     """The attention's parameters: q/k/v/o projections and the q/k RMSNorm scales."""
 
-    config: Qwen3Config
+    config: TransformerConfig
 
     @nn.compact
     def __call__(self) -> dict:
@@ -155,7 +155,7 @@ class AttentionWeights(nn.Module):
 class MLPWeights(nn.Module):
     """The dense MLP's gate/up/down projections."""
 
-    config: Qwen3Config
+    config: TransformerConfig
 
     @nn.compact
     def __call__(self) -> dict:
@@ -168,14 +168,14 @@ class MLPWeights(nn.Module):
         }
 
 
-def fused_block_rows(c: Qwen3Config) -> int:
+def fused_block_rows(c: TransformerConfig) -> int:
     """Tokens per block of a layer's fused per-token chains: a function of the layer's widths only
     (never of the number of tokens)."""
     widest = max(c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
     return fused.default_block_rows(widest)
 
 
-def _fused(fn, rows, weights, c: Qwen3Config, spec: quant.QuantSpec | None, name: str, **specs):
+def _fused(fn, rows, weights, c: TransformerConfig, spec: quant.QuantSpec | None, name: str, **specs):
     """``fn`` over the tokens of ``rows`` as one block program; master weights are quantized once,
     before the loop (the frozen ones pass as they are). ``specs``: ``ops.fused_tokens``' splits."""
     prepare = None if spec is None else (lambda w: quant.quantize_params(w, spec))
@@ -195,7 +195,7 @@ def _column_specs(weights, tp: ops.TensorParallel | None) -> dict | None:
     }
 
 
-def local_blocks(c: Qwen3Config, name: str, tp: ops.TensorParallel | None) -> int | None:
+def local_blocks(c: TransformerConfig, name: str, tp: ops.TensorParallel | None) -> int | None:
     """The column blocks of projection ``name`` this device computes, each its own materialised
     kernel call (:func:`qarl_jax.quant.dot`): all of them without ``tp``, its share with it (one
     block or more). None when the model is not column-blocked (``tensor_blocks`` 1): one plain call."""
@@ -204,12 +204,12 @@ def local_blocks(c: Qwen3Config, name: str, tp: ops.TensorParallel | None) -> in
     return c.column_blocks(name) // (1 if tp is None else tp.size)
 
 
-def _dot(h, w, c: Qwen3Config, spec, kind: str, name: str, tp: ops.TensorParallel | None):
+def _dot(h, w, c: TransformerConfig, spec, kind: str, name: str, tp: ops.TensorParallel | None):
     """A chain's projection ``name`` in its column blocks (a tensor-parallel device: its share)."""
     return quant.dot(h, w, spec, kind, local_blocks(c, name, tp))
 
 
-def _heads(h, w, norm, positions, c: Qwen3Config, spec, name: str, tp: ops.TensorParallel | None):
+def _heads(h, w, norm, positions, c: TransformerConfig, spec, name: str, tp: ops.TensorParallel | None):
     """q or k [N, heads, D]: the projection ``name``, its per-head RMSNorm and RoPE. In column blocks
     (``tensor_blocks`` > 1) each block's heads run the three steps as one program of its own: a
     norm's reduction over more heads at once may sum in another order, so a device holding one
@@ -228,7 +228,7 @@ def _heads(h, w, norm, positions, c: Qwen3Config, spec, name: str, tp: ops.Tenso
     return jnp.concatenate([block(*pair) for pair in slices], axis=1)
 
 
-def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None, tp=None):
+def _pre_attention(x, positions, w, c: TransformerConfig, spec: quant.QuantSpec | None, tp=None):
     """Per token: input RMSNorm, q/k/v projections, q/k RMSNorms, RoPE. x [N, H], positions [N]
     -> q [N, heads, D], k, v [N, kv_heads, D] (``tp``: this device's heads)."""
     n, d = x.shape[0], c.head_dim
@@ -246,7 +246,7 @@ def _pre_attention(x, positions, w, c: Qwen3Config, spec: quant.QuantSpec | None
     return q, k, v
 
 
-def _post_attention(attn, x, w, c: Qwen3Config, spec: quant.QuantSpec | None, dense_mlp: bool, tp=None):
+def _post_attention(attn, x, w, c: TransformerConfig, spec: quant.QuantSpec | None, dense_mlp: bool, tp=None):
     """Per token: output projection and residual, post-attention RMSNorm and, for a dense layer,
     the MLP and its residual. attn [N, heads * D], x [N, H] -> (x', ) dense, (x', normed x') MoE.
     ``tp``: attn holds this device's heads and every projection its columns; each product is
@@ -279,7 +279,7 @@ class _Kernel(nn.Module):
 class ExpertWeights(nn.Module):
     """The experts' stacked projections gate_proj, up_proj, down_proj: kernels [E, K, N]."""
 
-    config: Qwen3Config
+    config: TransformerConfig
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -298,7 +298,7 @@ class MoE(nn.Module):
     rule names an axis of more than one device, each device keeps only its experts (expert
     parallel); otherwise it computes every expert on the gathered weights."""
 
-    config: Qwen3Config
+    config: TransformerConfig
     quant: quant.QuantSpec | None
 
     @nn.compact
@@ -323,7 +323,7 @@ class MoE(nn.Module):
         return out
 
 
-def _expert_axis(c: Qwen3Config) -> str | None:
+def _expert_axis(c: TransformerConfig) -> str | None:
     """The mesh axis the experts are split over (expert parallel), or None (every device computes
     every expert): the active rules' axis for "experts" when it is one axis of > 1 devices that
     divides the experts and also splits the batch rows."""
@@ -342,7 +342,7 @@ class DecoderLayer(nn.Module):
     stacked KV cache [layers, B, S, KV, D] and this layer's index in it (the next layer's on the
     way out). The same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
 
-    config: Qwen3Config
+    config: TransformerConfig
     layer: int  # its index (the first of its run when scanned: only its kind matters)
     quant: quant.QuantSpec | None
 
@@ -405,7 +405,7 @@ class DecoderLayer(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 / Qwen3-MoE causal LM. ``quant=None`` runs plain XLA matmuls (the HF-parity path)."""
 
-    config: Qwen3Config
+    config: TransformerConfig
     quant: quant.QuantSpec | None = None
     remat: bool = False  # recompute each layer's activations in the backward pass (long sequences)
 
@@ -505,7 +505,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.norm(x), KVCache(k=all_k, v=all_v)
 
 
-def _layer_class(c: Qwen3Config, remat: bool) -> type[nn.Module]:
+def _layer_class(c: TransformerConfig, remat: bool) -> type[nn.Module]:
     """DecoderLayer, rematerialised by ``c.remat_policy`` when ``remat``. A scanned layer skips
     remat's CSE barriers: the scan's loop already keeps the recomputation from being merged."""
     if not remat or c.remat_policy == "none":

@@ -1,6 +1,6 @@
 """Where each decoder layer's parameters live, per-layer or stacked, and conversion between the two.
 
-With ``Qwen3Config.scan_layers`` the decoder is one ``nn.scan`` per run of consecutive layers of the
+With ``TransformerConfig.scan_layers`` the decoder is one ``nn.scan`` per run of consecutive layers of the
 same kind (dense MLP or MoE: ``mlp_only_layers`` / ``decoder_sparse_step`` split the runs); run
 ``[start, stop)`` keeps its layers' parameters stacked on a leading axis under the top-level key
 ``stack_{start}_{stop}``. Without it, layer i is ``layers_{i}`` (the Hugging Face-like layout).
@@ -13,10 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.config import TransformerConfig
 
 
-def layer_runs(config: Qwen3Config) -> tuple[tuple[int, int], ...]:
+def layer_runs(config: TransformerConfig) -> tuple[tuple[int, int], ...]:
     """Maximal runs ``(start, stop)`` of consecutive layers of one kind (dense MLP or MoE)."""
     runs, start = [], 0
     for i in range(1, config.num_hidden_layers + 1):
@@ -31,7 +31,7 @@ def run_key(start: int, stop: int) -> str:
     return f"stack_{start}_{stop}"
 
 
-def layer_location(config: Qwen3Config, layer: int) -> tuple[str, int | None]:
+def layer_location(config: TransformerConfig, layer: int) -> tuple[str, int | None]:
     """(top-level key, index on the stacked axis or None) of layer ``layer``'s parameters."""
     if not 0 <= layer < config.num_hidden_layers:
         raise ValueError(f"layer {layer} is out of range for a {config.num_hidden_layers}-layer model")
@@ -41,7 +41,7 @@ def layer_location(config: Qwen3Config, layer: int) -> tuple[str, int | None]:
     return run_key(start, stop), layer - start
 
 
-def stack_layers(params: dict, config: Qwen3Config) -> dict:
+def stack_layers(params: dict, config: TransformerConfig) -> dict:
     """A per-layer (``layers_{i}``) tree -> the stacked layout of ``config`` (which scans)."""
     out = {k: v for k, v in params.items() if not k.startswith("layers_")}
     for start, stop in layer_runs(config):
@@ -50,7 +50,7 @@ def stack_layers(params: dict, config: Qwen3Config) -> dict:
     return out
 
 
-def unstack_layers(params: dict, config: Qwen3Config) -> dict:
+def unstack_layers(params: dict, config: TransformerConfig) -> dict:
     """The stacked layout of ``config`` -> per-layer ``layers_{i}`` trees (slices of the stacks)."""
     out = {k: v for k, v in params.items() if not k.startswith("stack_")}
     for start, stop in layer_runs(config):

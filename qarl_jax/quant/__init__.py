@@ -99,7 +99,7 @@ def dot(
 ) -> jax.Array:
     """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight.
 
-    ``blocks`` (a column-blocked model, ``Qwen3Config.tensor_blocks`` > 1): the N columns as that
+    ``blocks`` (a column-blocked model, ``TransformerConfig.tensor_blocks`` > 1): the N columns as that
     many equal blocks, each its own kernel call on its own materialised (x, weight slice) pair,
     concatenated: what a tensor-parallel device computes for the blocks it holds (quantization
     scales are per column, so slicing commutes with it). One block is such a call too: a device of

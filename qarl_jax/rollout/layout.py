@@ -12,7 +12,7 @@ devices (one rule for one process and many), ``rollout.mesh``:
 * ``tensor``: every projection's columns (q/k/v/o, gate/up/down, lm_head) and the attention heads
   split over it; a device computes its columns and gathers the products where a whole row is next
   needed (an all-gather is an exact concatenation: no float sum crosses devices). The training
-  forward computes the same column blocks one after another (``Qwen3Config.tensor_blocks``, set from
+  forward computes the same column blocks one after another (``TransformerConfig.tensor_blocks``, set from
   ``rollout.mesh.tensor``), each block its own kernel call, so every layout gives the same bits.
 
 The frozen tree is quantized on the training layout, then moved to the engine's layout in one
@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from kernels_pallas import QuantizedWeight
 from qarl_jax import sharding
 from qarl_jax.errors import ConfigError
-from qarl_jax.models.config import Qwen3Config
+from qarl_jax.models.config import TransformerConfig
 from qarl_jax.quant import QuantSpec, kind_of, quantize_params
 
 # The engine's logical rules: slots over data x expert; experts over expert; with a tensor axis,
@@ -93,7 +93,7 @@ def engine_mesh(layout: RolloutMesh, devices: Sequence[jax.Device] | None = None
         raise ConfigError(f"rollout.mesh: {e}") from e
 
 
-def check_layout(layout: RolloutMesh, model: Qwen3Config, num_devices: int) -> dict[str, int]:
+def check_layout(layout: RolloutMesh, model: TransformerConfig, num_devices: int) -> dict[str, int]:
     """The layout's axis sizes on ``num_devices`` devices, or a one-line ConfigError naming the key
     and the numbers that do not divide (before any weight is loaded)."""
     try:
@@ -172,7 +172,7 @@ def compute_dtype_leaves(frozen, model: nn.Module):
     input embedding of an untied model (``nn.Embed`` casts its table before the lookup). The lm_head
     and the norm scales stay as they are: the bf16-format kernel and RMSNorm compute with the
     weight's own dtype, so casting them would change the rollout's bits."""
-    c: Qwen3Config = model.config  # type: ignore[attr-defined]  # Qwen3ForCausalLM's field
+    c: TransformerConfig = model.config  # type: ignore[attr-defined]  # Qwen3ForCausalLM's field
     if c.tie_word_embeddings or "embed_tokens" not in frozen:
         return frozen
     table = frozen["embed_tokens"]["embedding"]

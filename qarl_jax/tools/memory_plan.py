@@ -76,7 +76,7 @@ from qarl_jax import cli, sharding
 from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
 from qarl_jax.errors import PlanError
-from qarl_jax.models import KVCache, Qwen3Config, Qwen3ForCausalLM, preset
+from qarl_jax.models import KVCache, Qwen3ForCausalLM, TransformerConfig, preset
 from qarl_jax.models.hf_io import load_config as hf_config
 from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
@@ -92,7 +92,7 @@ PERSISTENT = ("params", "reference", "frozen", "optimizer", "gradients", "kv_cac
 PHASES = ("rollout", "scoring", "update")
 
 
-def architecture(config: Config, preset_name: str | None = None) -> tuple[Qwen3Config, str]:
+def architecture(config: Config, preset_name: str | None = None) -> tuple[TransformerConfig, str]:
     """(architecture, where it came from): ``preset_name``, else the checkpoint's config.json when
     ``model.path`` exists here, else ``model.preset``, which must then be stated (not the default)."""
     m = config.model
@@ -166,7 +166,7 @@ def _tree_bytes(tree, specs: dict, mesh: dict[str, int]) -> int:
     )
 
 
-def _layer_activations(c: Qwen3Config, layer: int) -> int:
+def _layer_activations(c: TransformerConfig, layer: int) -> int:
     """a: activation elements per token of one decoder layer kept for the backward (module doc)."""
     attn = 4 * c.hidden_size + 4 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
     if c.is_moe_layer(layer):

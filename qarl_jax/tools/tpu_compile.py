@@ -41,7 +41,7 @@ from kernels_pallas.attention import attention
 from kernels_pallas.rowwise import rms_norm, rope, token_logprobs
 from qarl_jax import cli
 from qarl_jax.errors import PlanError
-from qarl_jax.models import Qwen3Config, preset
+from qarl_jax.models import TransformerConfig, preset
 
 # a small slice of each generation (the kernels run on one chip of it); TPU v4 has no int8 MXU
 DEFAULT_TOPOLOGIES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1")
@@ -222,7 +222,7 @@ def _sum(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     return lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
 
 
-def kernel_programs(c: Qwen3Config, fmt: str, rows: int = 16, tokens: int = 256) -> list[Program]:
+def kernel_programs(c: TransformerConfig, fmt: str, rows: int = 16, tokens: int = 256) -> list[Program]:
     """Every kernel of a ``c``-shaped model in ``fmt`` as a program of its own: the matmul at each
     distinct projection shape and ``rows`` rows (a decode batch), its straight-through gradient, the
     grouped expert matmul and its gradient (MoE), attention over ``tokens`` (forward, gradient, and
@@ -308,7 +308,7 @@ def kernel_programs(c: Qwen3Config, fmt: str, rows: int = 16, tokens: int = 256)
 
 
 def check_kernels(
-    topologies: list[str], c: Qwen3Config, fmts: list[str], progress: bool = True
+    topologies: list[str], c: TransformerConfig, fmts: list[str], progress: bool = True
 ) -> list[Result]:
     """:func:`kernel_programs` of every format compiled on every topology (the format-free
     programs once per topology)."""

@@ -76,6 +76,39 @@ def test_rows_invariant_to_batch_and_neighbours():
     np.testing.assert_array_equal(np.asarray(ATTN(q[perm], k[perm], v[perm], pos[perm])), full[perm])
 
 
+@pytest.mark.parametrize(  # the f32 shapes' heads differed before (2026-12-04)
+    "heads,kv,d,t,dtype",
+    [(16, 8, 24, 50, jnp.float32), (4, 4, 48, 70, jnp.float32), (16, 8, 24, 50, jnp.bfloat16)],
+)
+def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
+    """A tensor-parallel device holds some of the heads (or one kv head shared by several devices):
+    each head's bits must be those of the whole-model call, in f32 as in bf16 (with the heads a batch
+    axis of the kernel's dots, XLA:CPU's f32 code changed with their number: these shapes differed)."""
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (3, t, heads, d), dtype)
+    k, v = (jax.random.normal(kk, (3, t, kv, d), dtype) for kk in ks[1:])
+    pos = jnp.broadcast_to(jnp.arange(t), (3, t))
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    full = f32(ATTN(q, k, v, pos))
+    for devices in (2, kv):  # each device kv / devices kv heads and their q heads
+        hq, hk = heads // devices, kv // devices
+        for i in range(devices):
+            qs, kvs = slice(hq * i, hq * (i + 1)), slice(hk * i, hk * (i + 1))
+            np.testing.assert_array_equal(
+                f32(ATTN(q[:, :, qs], k[:, :, kvs], v[:, :, kvs], pos)), full[:, :, qs]
+            )
+            step = ATTN(q[:, -1:, qs], k[:, :, kvs], v[:, :, kvs], pos[:, -1:])  # a decode step
+            np.testing.assert_array_equal(f32(step), full[:, -1:, qs])
+    if heads % (2 * kv):
+        return
+    # 2 x kv devices: each kv head repeated over the two that share it
+    rep = f32(ATTN(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), pos))
+    hq = heads // (2 * kv)
+    for i in range(2 * kv):
+        qs, kvs = slice(hq * i, hq * (i + 1)), slice(i // 2, i // 2 + 1)
+        np.testing.assert_array_equal(f32(ATTN(q[:, :, qs], k[:, :, kvs], v[:, :, kvs], pos)), rep[:, :, qs])
+
+
 def test_masked_keys_contribute_nothing():
     """Garbage (even huge values) in keys the query must not see leaves its bits unchanged."""
     q, k, v = qkv(1, 40, seed=3)

@@ -16,9 +16,12 @@ filled, not the whole cache. Two details keep it that way under XLA:CPU:
   layout (``starts`` None) when its length is a multiple of ``block_kv``, always by one block for
   packed rows (training, where the copy is small beside the forward).
 
-Why the row arithmetic stays invariant: every row block runs the same fixed-shape program (the
-per-block dots have shapes set by ``block_rows``, ``block_kv`` and the head sizes), whatever the
-number of rows, the cache length or the neighbours.
+Why the row arithmetic stays invariant: a row is one (token, kv head) pair, and every row block runs
+the same fixed-shape program (the per-block dots have shapes set by ``block_rows``, ``block_kv``,
+the head size and the query heads per kv head), whatever the number of rows, the cache length, the
+neighbours or the number of kv heads: a tensor-parallel device holding some of the heads computes
+each head's bits as the whole model does (with heads as a batch axis of the dots, XLA:CPU's f32 dot
+code, and so the bits, changed with the number of heads).
 """
 
 from __future__ import annotations
@@ -39,47 +42,52 @@ def attention(
     q, k, v, positions, starts, segment_ids, kv_segment_ids, *, block_kv: int, block_rows: int | None = None
 ) -> jax.Array:
     """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`).
-    ``block_rows`` query tokens per block default to a function of (block_kv, KV, D)."""
+    A row is one (token, kv head) pair: its ``H / KV`` query heads against that kv head's keys.
+    ``block_rows`` such rows per block default to a function of (block_kv, D) only."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
-    block_rows = block_rows or rows_per_block(block_kv * kvh * d * 2, hi=16)
+    block_rows = block_rows or rows_per_block(block_kv * d * 2)
     # a block holding a visible key starts below s: it ends within s_pad (see the module docstring)
     s_pad = round_up(s, block_kv) if starts is None else s + block_kv
     # no segments = one segment: the same program either way (a different body compiles differently)
     pos, st, q_seg, kv_seg = token_ids(positions, starts, segment_ids, kv_segment_ids, s, s_pad)
     k, v = pad_axis(k, 1, s_pad), pad_axis(v, 1, s_pad)
+    per_head = lambda a: jnp.repeat(a.reshape(-1), kvh)  # a token's id, once for each of its kv heads
     rows = (
-        q.reshape(b * t, kvh, g, d),
-        pos.reshape(-1),
-        st.reshape(-1),
-        q_seg.reshape(-1),
-        jnp.repeat(jnp.arange(b, dtype=jnp.int32), t),
+        q.reshape(b * t * kvh, g, d),  # [B, T, KV, G, D]: rows in (token, kv head) order, no copy
+        per_head(pos),
+        per_head(st),
+        per_head(q_seg),
+        per_head(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))),
+        jnp.tile(jnp.arange(kvh, dtype=jnp.int32), b * t),
     )
 
-    def block(qb, pos, st, seg, bi):
+    def block(qb, pos, st, seg, bi, hi):
         qf = qb.astype(jnp.float32)
 
         def step(j, carry):
             kc, vc, segc, j = lax.optimization_barrier((k, v, kv_seg, j))  # no hoisting: docstring
 
-            def take(a):  # token r's slice a[bi[r], st[r] + j * block_kv : ... + block_kv]
-                size = (1, block_kv, *a.shape[2:])
-                one = lambda bb, s0: lax.dynamic_slice(a, (bb, s0) + (0,) * (a.ndim - 2), size)[0]
-                return jax.vmap(one)(bi, st + j * block_kv)
+            def take(a, head: bool):  # row r's a[bi[r], st[r] + j * block_kv + (0..block_kv), hi[r]]
+                size = (1, block_kv, *((1, d) if head else ()))
+                one = lambda bb, s0, hh: lax.dynamic_slice(
+                    a, (bb, s0, *((hh, 0) if head else ())), size
+                ).reshape(size[1:2] + size[3:])
+                return jax.vmap(one)(bi, st + j * block_kv, hi)
 
             rel = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-            valid = (rel[None, :] <= pos[:, None]) & (take(segc) == seg[:, None])
-            kb, vb = take(kc).astype(jnp.float32), take(vc).astype(jnp.float32)
-            sc = jnp.einsum("rkgd,rbkd->rkgb", qf, kb, preferred_element_type=jnp.float32)
+            valid = (rel[None, :] <= pos[:, None]) & (take(segc, False) == seg[:, None])
+            kb, vb = take(kc, True).astype(jnp.float32), take(vc, True).astype(jnp.float32)
+            sc = jnp.einsum("rgd,rbd->rgb", qf, kb, preferred_element_type=jnp.float32)
 
             def pv(p):  # probabilities rounded to the values' dtype first, as the reference does
                 p = p.astype(v.dtype).astype(jnp.float32)
-                return jnp.einsum("rkgb,rbkd->rkgd", p, vb, preferred_element_type=jnp.float32)
+                return jnp.einsum("rgb,rbd->rgd", p, vb, preferred_element_type=jnp.float32)
 
-            return online_softmax_step(carry, sc, valid[:, None, None, :], d**-0.5, pv)
+            return online_softmax_step(carry, sc, valid[:, None, :], d**-0.5, pv)
 
-        shape = (block_rows, kvh, g)
+        shape = (block_rows, g)
         init = (
             jnp.full(shape, MASK, jnp.float32),
             jnp.zeros(shape, jnp.float32),
@@ -88,6 +96,6 @@ def attention(
         _, denom, acc = lax.fori_loop(0, jnp.max(pos) // block_kv + 1, step, init)
         return (normalise(acc, denom),)
 
-    out = jax.ShapeDtypeStruct((kvh, g, d), q.dtype)
+    out = jax.ShapeDtypeStruct((g, d), q.dtype)
     (o,) = map_row_blocks(block, rows, block_rows, (out,))
     return o.reshape(b, t, h, d)

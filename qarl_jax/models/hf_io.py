@@ -13,7 +13,7 @@ import collections
 import json
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +183,16 @@ def _weight_files(ckpt: pathlib.Path) -> dict[str, pathlib.Path]:
     return files
 
 
-def _read(handles: dict, files: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _read(handles: dict, files: dict, name: str, shape: tuple[int, ...] | None, quantized=None) -> np.ndarray:
+    """Tensor ``name`` of shape ``shape`` (None: any); ``quantized`` (a compressed-tensors checkpoint's
+    :class:`~qarl_jax.models.compressed_tensors.CompressedCheckpoint`) dequantizes what it holds."""
+    if quantized is not None and quantized.holds(name):
+        arr = quantized.dequantize(name, lambda stored: _read(handles, files, stored, None))
+        if arr.shape != shape:
+            raise CheckpointError(
+                f"quantized tensor {name!r} has shape {arr.shape}, the config implies {shape}"
+            )
+        return arr
     if name not in files:
         where = sorted({p.name for p in files.values()})
         raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (files: {where})")
@@ -193,7 +202,7 @@ def _read(handles: dict, files: dict, name: str, shape: tuple[int, ...]) -> np.n
     if name not in handles[f].tensors:
         raise CheckpointError(f"{f}: the index places tensor {name!r} here, but the file does not hold it")
     arr = handles[f].read(name)
-    if arr.shape != shape:
+    if shape is not None and arr.shape != shape:
         raise CheckpointError(f"{f}: tensor {name!r} has shape {arr.shape}, the config implies {shape}")
     return arr
 
@@ -208,8 +217,11 @@ def _place(arr: np.ndarray, dtype, sharding) -> jax.Array:
 def load_params(ckpt: str | os.PathLike, config: TransformerConfig, shardings: dict | None = None) -> dict:
     """Stream the checkpoint's tensors into a params tree (optionally placed with ``shardings``,
     a tree of ``jax.sharding.Sharding`` matching the params)."""
+    from qarl_jax.models.compressed_tensors import open_compressed  # it imports this module
+
     ckpt = pathlib.Path(ckpt)
     files = _weight_files(ckpt)
+    quantized = open_compressed(ckpt, set(files))  # None unless config.json has a quantization_config
     dtype = jnp.dtype(config.param_dtype)
     params: dict = {}
     handles: dict = {}
@@ -223,11 +235,11 @@ def load_params(ckpt: str | os.PathLike, config: TransformerConfig, shardings: d
                 expected.update(names)
                 arr = np.empty(shape, dtype=dtype)
                 for j, name in enumerate(names):
-                    arr[j] = _read(handles, files, name, (shape[2], shape[1])).T
+                    arr[j] = _read(handles, files, name, (shape[2], shape[1]), quantized).T
             else:
                 expected.add(names)
                 hf_shape = (shape[1], shape[0]) if _is_kernel(path) else shape
-                arr = _read(handles, files, names, hf_shape)
+                arr = _read(handles, files, names, hf_shape, quantized)
                 arr = arr.T if _is_kernel(path) else arr
             path, index = param_location(config, path)
             if index is not None:  # one layer of a stacked leaf: place the stack after its last layer
@@ -251,6 +263,8 @@ def load_params(ckpt: str | os.PathLike, config: TransformerConfig, shardings: d
     finally:
         for handle in handles.values():
             handle.close()
+    if quantized is not None:
+        expected |= quantized.consumed
     unexpected = sorted(set(files) - expected - {"lm_head.weight"})
     if unexpected:
         raise CheckpointError(
@@ -317,47 +331,21 @@ def _host_array(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_pretrained(
-    ckpt: str | os.PathLike,
-    config: TransformerConfig,
-    params: dict,
-    tokenizer=None,
-    max_shard_bytes: int = 2 * 1024**3,
+def write_safetensors(
+    ckpt: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], max_shard_bytes: int = 2 * 1024**3
 ) -> None:
-    """Write ``params`` as a Hugging Face directory transformers loads (safetensors, sharded with an
-    index past ``max_shard_bytes``), plus config.json and tokenizer.json if given."""
+    """Write named host arrays as ``ckpt``'s safetensors: one file, or shards of at most
+    ``max_shard_bytes`` with an index; replaces the directory's old weight files."""
     ckpt = pathlib.Path(ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-
-    def add(name: str, arr: np.ndarray):
-        nonlocal size
+    for name, arr in tensors:
         if size and size + arr.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = np.ascontiguousarray(arr)
         size += arr.nbytes
-
-    layout = list(tensor_layout(config))
-    uses = collections.Counter(param_location(config, path)[0] for path, _, _ in layout)
-    fetched: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves, dropped after their last layer
-    for path, names, _ in layout:
-        path, index = param_location(config, path)
-        if path not in fetched:
-            node = params
-            for key in path:
-                node = node[key]
-            fetched[path] = _host_array(node)
-        arr = fetched[path] if index is None else fetched[path][index]
-        uses[path] -= 1
-        if not uses[path]:
-            del fetched[path]
-        if isinstance(names, list):
-            for j, name in enumerate(names):
-                add(name, arr[j].T)
-        else:
-            add(names, arr.T if _is_kernel(path) else arr)
     for old in list(ckpt.glob("*.safetensors")) + [ckpt / INDEX_FILE]:
         old.unlink(missing_ok=True)
     if len(shards) == 1:
@@ -371,6 +359,43 @@ def save_pretrained(
             total += sum(a.nbytes for a in shard.values())
         listing = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (ckpt / INDEX_FILE).write_text(json.dumps(listing, indent=2))
-    (ckpt / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+
+
+def save_pretrained(
+    ckpt: str | os.PathLike,
+    config: TransformerConfig,
+    params: dict,
+    tokenizer=None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Write ``params`` as a Hugging Face directory transformers loads (safetensors, sharded with an
+    index past ``max_shard_bytes``), plus config.json and tokenizer.json if given."""
+    ckpt = pathlib.Path(ckpt)
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        layout = list(tensor_layout(config))
+        uses = collections.Counter(param_location(config, path)[0] for path, _, _ in layout)
+        fetched: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves, dropped after their last layer
+        for path, names, _ in layout:
+            path, index = param_location(config, path)
+            if path not in fetched:
+                node = params
+                for key in path:
+                    node = node[key]
+                fetched[path] = _host_array(node)
+            arr = fetched[path] if index is None else fetched[path][index]
+            uses[path] -= 1
+            if not uses[path]:
+                del fetched[path]
+            if isinstance(names, list):
+                for j, name in enumerate(names):
+                    yield name, arr[j].T
+            else:
+                yield names, arr.T if _is_kernel(path) else arr
+
+    write_safetensors(ckpt, tensors(), max_shard_bytes)
+    hf = config.to_hf()
+    hf.pop("quantization_config", None)  # dense weights, even from a compressed starting checkpoint
+    (ckpt / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer is not None:
         tokenizer.save(str(ckpt / "tokenizer.json"))

@@ -1,0 +1,301 @@
+"""The deployed policy as a ``compressed-tensors`` checkpoint (what vLLM, SGLang and transformers
+load for int4 / int8 weights), and such a checkpoint read back as float master weights.
+
+Why this exists: QaRL's policy is the low-bit policy the rollouts ran. A bf16 export thrown to a
+serving engine's own quantizer gives other integers; this writes the rollout's integers and scales
+themselves (the frozen tree, :func:`qarl_jax.rollout.layout.freeze`), only moved into the layout
+the format defines:
+
+- torch's [out, in] layout (ours is [in, out]: the integers are transposed, not recomputed);
+- ``w4a16``: ``pack-quantized``: ``weight_packed`` int32 [out, ceil(in / 8)], eight 4-bit values a
+  word along the input dim, value i of a word in bits 4i..4i+3, stored as ``q + 8`` (unsigned);
+  ``weight_scale`` [out, in / group] and ``weight_shape`` [out, in] (int64);
+- ``w8a8`` / ``w4a8``: ``int-quantized``: ``weight`` int8 [out, in] (int4 values unpacked for
+  w4a8, as compressed-tensors stores W4A8 and vLLM's W4A8 int scheme reads it) and
+  ``weight_scale``; activations dynamic per token, symmetric int8;
+- scales stay f32 (what our kernels multiply by); all symmetric (no zero points).
+
+Each distinct (strategy, group size) is one config group: a layer whose K is below the 128 default
+group is per channel (``strategy: channel``). Projections the run leaves unquantized (lm_head and
+the MoE router by default) are written as they are and listed in ``ignore``.
+
+Reading back (:class:`CompressedCheckpoint`, used by :func:`qarl_jax.models.hf_io.load_params`):
+``model.path`` may name such a directory; every quantized weight comes back as ``q * scale`` in
+f32, the float master weights. Quantizing them again gives the same integers and scales: each group
+holds a value ``qmax * s`` (its abs-max element) and ``fl(fl(qmax * fl(a / qmax)) / qmax) ==
+fl(a / qmax)`` for every f32 ``a`` (qmax 7 and 127; checked over all 2^23 significands of a binade,
+which covers every normal scale), so the abs-max recomputes the same scale and every ``q * s``
+divides back to ``q``. That holds with f32 master weights (``model.param_dtype=float32``, the
+default); bf16 ones round the dequantized values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+
+from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, int_values
+from qarl_jax.errors import CheckpointError, ConfigError
+from qarl_jax.models.config import TransformerConfig
+from qarl_jax.models.hf_io import param_location, tensor_layout, write_safetensors
+from qarl_jax.quant import QuantSpec
+
+QUANT_METHOD = "compressed-tensors"
+PACK_QUANTIZED = "pack-quantized"
+INT_QUANTIZED = "int-quantized"
+PACK_BITS = 4  # the packed format this module writes and reads: 4-bit values, 8 an int32
+_INT_ACTIVATIONS = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """How one of our formats is written: compressed-tensors' ``format`` and its activation args."""
+
+    format: str
+    activations: dict | None
+
+
+SCHEMES = {
+    "w4a16": Scheme(PACK_QUANTIZED, None),
+    "w8a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
+    "w4a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
+}
+
+
+def check_exportable(spec: QuantSpec) -> Scheme:
+    """The scheme of ``spec``'s format, or a :class:`ConfigError` naming the formats that have one."""
+    if spec.fmt not in SCHEMES:
+        raise ConfigError(
+            f"quant.fmt={spec.fmt!r} has no compressed-tensors scheme; the compressed-tensors export "
+            f"writes {', '.join(SCHEMES)} (a bf16 policy: --export-hf)"
+        )
+    return SCHEMES[spec.fmt]
+
+
+def _module(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def _leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...]):
+    path, index = param_location(config, path)
+    node = tree
+    for key in path:
+        node = node[key]
+    if index is not None:
+        node = jax.tree.map(lambda a: a[index], node)
+    return node
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def pack_int32(q: np.ndarray) -> np.ndarray:
+    """int4 values [out, in] (int8, in [-8, 7]) -> compressed-tensors' int32 words [out, ceil(in/8)]:
+    value j of a row lands in word j // 8, bits 4 (j % 8) .. +3, offset by 8 to be unsigned; a
+    ragged tail is padded with zeros (``weight_shape`` says where the row ends)."""
+    out, k = q.shape
+    per_word = 32 // PACK_BITS
+    u = (q.astype(np.int64) + (1 << (PACK_BITS - 1))).astype(np.uint32)
+    u = np.pad(u, ((0, 0), (0, -k % per_word))).reshape(out, -1, per_word)
+    shifts = np.arange(per_word, dtype=np.uint32) * PACK_BITS
+    return np.bitwise_or.reduce(u << shifts, axis=-1).astype(np.uint32).view(np.int32)
+
+
+def unpack_int32(packed: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of :func:`pack_int32`: int32 words [out, W] -> int8 values [out, k]."""
+    per_word = 32 // PACK_BITS
+    shifts = np.arange(per_word, dtype=np.uint32) * PACK_BITS
+    nibbles = (packed.view(np.uint32)[..., None] >> shifts) & ((1 << PACK_BITS) - 1)
+    values = nibbles.reshape(packed.shape[0], -1)[:, :k].astype(np.int16) - (1 << (PACK_BITS - 1))
+    return values.astype(np.int8)
+
+
+def _module_tensors(module: str, w: QuantizedWeight, scheme: Scheme) -> Iterator[tuple[str, np.ndarray]]:
+    """One quantized projection's tensors (``w`` one matrix: [K(/2), N] values, [K/G, N] scales)."""
+    q = _host(int_values(w)).T  # [out, in] int8
+    scales = np.ascontiguousarray(_host(w.scales).T.astype(np.float32))  # [out, in / group]
+    if scheme.format == PACK_QUANTIZED:
+        yield f"{module}.weight_packed", pack_int32(q)
+        yield f"{module}.weight_scale", scales
+        yield f"{module}.weight_shape", np.array(q.shape, dtype=np.int64)
+    else:
+        yield f"{module}.weight", np.ascontiguousarray(q)
+        yield f"{module}.weight_scale", scales
+
+
+def _group_key(w: QuantizedWeight) -> tuple[str, int | None]:
+    return ("channel", None) if w.group_size == w.k else ("group", w.group_size)
+
+
+def _tensors(config: TransformerConfig, frozen: dict, scheme: Scheme, groups: dict, ignore: list[str]):
+    """Every tensor of the export, in :func:`tensor_layout` order; fills ``groups`` (strategy key ->
+    module names) and ``ignore`` (the linear modules left unquantized) on the way."""
+    for path, names, _ in tensor_layout(config):
+        leaf = _leaf(frozen, config, path)
+        is_kernel = path[-1] == "kernel"
+        per_expert = isinstance(names, list)
+        for j, name in enumerate(names if per_expert else [names]):
+            one = jax.tree.map(lambda a: a[j], leaf) if per_expert else leaf  # noqa: B023
+            if isinstance(one, QuantizedWeight):
+                groups.setdefault(_group_key(one), []).append(_module(name))
+                yield from _module_tensors(_module(name), one, scheme)
+                continue
+            if is_kernel:
+                ignore.append(_module(name))
+            arr = _host(one)
+            yield name, arr.T if is_kernel else arr
+    if config.tie_word_embeddings:
+        ignore.append("lm_head")  # transformers' head Linear, sharing the (unquantized) embedding
+
+
+def quantization_config(spec: QuantSpec, groups: dict, ignore: list[str]) -> dict:
+    """config.json's ``quantization_config``: one config group per (strategy, group size); with
+    more than one, each lists its modules by name (else it targets every ``Linear``)."""
+    scheme = check_exportable(spec)
+    bits = WEIGHT_BITS[spec.fmt]
+    config_groups = {}
+    for i, ((strategy, group_size), modules) in enumerate(sorted(groups.items(), key=str)):
+        weights = {
+            "num_bits": bits,
+            "type": "int",
+            "symmetric": True,
+            "strategy": strategy,
+            "group_size": group_size,
+            "dynamic": False,
+        }
+        config_groups[f"group_{i}"] = {
+            "targets": ["Linear"] if len(groups) == 1 else sorted(modules),
+            "weights": weights,
+            "input_activations": scheme.activations,
+            "output_activations": None,
+            "format": scheme.format,
+        }
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": scheme.format,
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+
+
+def save_compressed(
+    ckpt: str | os.PathLike,
+    config: TransformerConfig,
+    frozen: dict,
+    spec: QuantSpec,
+    tokenizer=None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Write the rollout's frozen weights ``frozen`` (:func:`qarl_jax.rollout.layout.freeze` of the
+    master weights under ``spec``; host-addressable) as a compressed-tensors checkpoint: sharded
+    safetensors, config.json with its ``quantization_config``, tokenizer.json if given."""
+    scheme = check_exportable(spec)
+    groups: dict[tuple[str, int | None], list[str]] = {}
+    ignore: list[str] = []
+    ckpt = pathlib.Path(ckpt)
+    write_safetensors(ckpt, _tensors(config, frozen, scheme, groups, ignore), max_shard_bytes)
+    if not groups:
+        raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
+    hf = config.to_hf() | {"quantization_config": quantization_config(spec, groups, ignore)}
+    (ckpt / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(str(ckpt / "tokenizer.json"))
+
+
+class CompressedCheckpoint:
+    """A compressed-tensors checkpoint's quantized weights, read as dense f32 ``[out, in]`` tensors
+    under their plain names (``...q_proj.weight``), so the loader reads it as any checkpoint."""
+
+    def __init__(self, source: str, qconfig: dict, names: set[str]):
+        self.source = source
+        self.names = names
+        self.consumed: set[str] = set()  # the stored tensors read so far (the loader's expected)
+        if qconfig.get("quant_method") != QUANT_METHOD:
+            raise CheckpointError(
+                f"{source}: quantization_config.quant_method={qconfig.get('quant_method')!r}; this "
+                f"package reads {QUANT_METHOD!r} checkpoints"
+            )
+        for name, group in (qconfig.get("config_groups") or {}).items():
+            weights = group.get("weights") or {}
+            fmt = group.get("format", qconfig.get("format"))
+            problem = (
+                "asymmetric weights (zero points)"
+                if not weights.get("symmetric", True)
+                else f"weight type {weights.get('type')!r}"
+                if weights.get("type", "int") != "int"
+                else f"{weights.get('num_bits')}-bit packed weights"
+                if fmt == PACK_QUANTIZED and weights.get("num_bits") != PACK_BITS
+                else f"format {fmt!r}"
+                if fmt not in (PACK_QUANTIZED, INT_QUANTIZED, "naive-quantized")
+                else None
+            )
+            if problem:
+                raise CheckpointError(
+                    f"{source}: config group {name} has {problem}; this package reads symmetric int "
+                    f"weights in {PACK_QUANTIZED} (4-bit) or {INT_QUANTIZED}"
+                )
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` (``<module>.weight``) is stored quantized here."""
+        return name.endswith(".weight") and f"{_module(name)}.weight_scale" in self.names
+
+    def dequantize(self, name: str, read: Callable[[str], np.ndarray]) -> np.ndarray:
+        """``q * scale`` in f32, [out, in] (``read`` a stored tensor by name): the library's own
+        dequantization, per group of the input dim."""
+        module = _module(name)
+        scale = read(f"{module}.weight_scale").astype(np.float32)
+        if f"{module}.weight_packed" in self.names:
+            out, k = (int(v) for v in read(f"{module}.weight_shape"))
+            q = unpack_int32(read(f"{module}.weight_packed"), k)
+            self.consumed.update(f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_shape"))
+        else:
+            q = read(name)
+            self.consumed.update((name, f"{module}.weight_scale"))
+        out, k = q.shape
+        if scale.ndim != 2 or scale.shape[0] != out or k % scale.shape[1]:
+            raise CheckpointError(
+                f"{self.source}: {module}.weight_scale has shape {scale.shape}, not [{out}, groups of {k}]"
+            )
+        groups = scale.shape[1]
+        deq = q.astype(np.float32).reshape(out, groups, k // groups) * scale[:, :, None]
+        return deq.reshape(out, k)
+
+
+def open_compressed(ckpt: str | os.PathLike, names: set[str]) -> CompressedCheckpoint | None:
+    """The checkpoint's :class:`CompressedCheckpoint` if its config.json has a
+    ``quantization_config``, else None (``names``: the tensor names it stores)."""
+    f = pathlib.Path(ckpt) / "config.json"
+    try:
+        qconfig = json.loads(f.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError):
+        return None  # load_config reports these
+    return None if qconfig is None else CompressedCheckpoint(str(f), qconfig, names)
+
+
+__all__ = [
+    "SCHEMES",
+    "CompressedCheckpoint",
+    "Scheme",
+    "check_exportable",
+    "open_compressed",
+    "pack_int32",
+    "quantization_config",
+    "save_compressed",
+    "unpack_int32",
+]

@@ -1,4 +1,4 @@
-"""Batch-invariant kernels (quantized matmuls in bf16 / w8a8 / w4a16 / w4a8, MoE grouped matmul,
+"""Batch-invariant kernels (quantized matmuls in bf16 / w8a8 / w4a16 / w4a8 / fp8, MoE grouped matmul,
 attention, row-wise ops) whose every row is bitwise independent of the batch: rollout == training.
 
 Layout, one package per operation, each with the same modules::
@@ -17,7 +17,7 @@ Layout, one package per operation, each with the same modules::
     attention/   causal grouped-query attention over packed rows or a KV cache
     rowwise/     RMSNorm, RoPE, the tempered log-sum-exp, log-softmax, token log-probs
 
-    formats.py     the int8 / int4 data contract every backend reads
+    formats.py     the int8 / int4 / e4m3 data contract every backend reads
     _backend.py    resolve the backend and load its module lazily (the one place);
                    ``default_backend(name)`` sets it for calls traced within a block
     _checks.py     operand checks, one per operand kind

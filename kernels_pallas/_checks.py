@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, check_format
+from kernels_pallas.formats import VALUE_DTYPE, WEIGHT_BITS, QuantizedWeight, check_format
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -32,8 +32,9 @@ def weight(w: QuantizedWeight, ndim: int) -> None:
         if w.scales is not None:
             raise ValueError("bf16-format weights carry no scales")
         return
-    if w.values.dtype != jnp.int8:
-        raise TypeError(f"{w.fmt} weight values must be int8, got {w.values.dtype}")
+    want_dtype = jnp.dtype(VALUE_DTYPE[w.fmt])
+    if w.values.dtype != want_dtype:
+        raise TypeError(f"{w.fmt} weight values must be {want_dtype}, got {w.values.dtype}")
     if w.k % w.group_size:
         raise ValueError(f"{w.fmt}: K={w.k} is not a multiple of the group size {w.group_size}")
     want = (*w.values.shape[:-2], w.k // w.group_size, w.n)

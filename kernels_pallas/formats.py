@@ -8,9 +8,15 @@ Formats
          group_size == K); activations stay bf16/f32; f32 accumulation group by group in
          ascending K order, each group's partial product scaled inside the K loop.
   w4a8   int4 weights (grouped as w4a16) x per-token int8 activations; int32 partial per group.
+  fp8    FP8-W8A8: float8 e4m3 weights, one f32 scale per output channel; activations quantized
+         per token (abs-max, e4m3) on the fly; f32 accumulation in a fixed K order;
+         y = (acc * s_x) * s_w. An e4m3 x e4m3 product (4-bit significands) is exact in f32 and
+         both operands widen exactly to bf16, so only the order of the sum needs fixing.
 
 Quantization is symmetric: q = clip(round_half_even(w / s), -qmax, qmax), s = absmax / qmax
-(s = 1 where a column/group is all zeros), qmax = 127 (int8) or 7 (int4).
+(s = 1 where a column/group is all zeros), qmax = 127 (int8) or 7 (int4). fp8 is the same with
+qmax = 448 (e4m3's largest finite value) and the rounding of the cast to e4m3 (to nearest, ties
+to even, on e4m3's grid) in place of rounding to an integer.
 
 int4 packing ("group halves"): two int4 values per int8 byte, packed WITHIN each quantization
 group of G rows of K: packed row g*G/2 + j holds q[g*G + j] in its low nibble and
@@ -30,9 +36,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
-WEIGHT_BITS = {"bf16": None, "w8a8": 8, "w4a16": 4, "w4a8": 4}
-ACT_BITS = {"bf16": None, "w8a8": 8, "w4a16": None, "w4a8": 8}
+FORMATS = ("bf16", "w8a8", "w4a16", "w4a8", "fp8")
+WEIGHT_BITS = {"bf16": None, "w8a8": 8, "w4a16": 4, "w4a8": 4, "fp8": 8}
+ACT_BITS = {"bf16": None, "w8a8": 8, "w4a16": None, "w4a8": 8, "fp8": 8}
+# the stored weight values' dtype, and (a8 formats) the quantized activations'
+VALUE_DTYPE = {"w8a8": jnp.int8, "w4a16": jnp.int8, "w4a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+ACT_DTYPE = {"w8a8": jnp.int8, "w4a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: fp8's quantization bound
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -41,7 +51,8 @@ DEFAULT_GROUP_SIZE = 128
 class QuantizedWeight:
     """Weights of one projection in one format (a pytree: arrays are leaves, the rest static).
 
-    values: bf16: the weight [.., K, N]; 8-bit: int8 [.., K, N]; 4-bit: packed int8 [.., K//2, N].
+    values: bf16: the weight [.., K, N]; w8a8: int8 [.., K, N]; fp8: float8_e4m3fn [.., K, N];
+            4-bit: packed int8 [.., K//2, N].
     scales: f32 [.., K // group_size, N], or None for bf16.
     """
 
@@ -86,13 +97,23 @@ def resolve_group_size(fmt: str, k: int, group_size: int | None) -> int:
     return g
 
 
-def _symmetric_quantize(w: jax.Array, bits: int, group_size: int) -> tuple[jax.Array, jax.Array]:
-    qmax = 2 ** (bits - 1) - 1
+def _to_e4m3(v: jax.Array) -> jax.Array:
+    """f32 values within [-448, 448] (after clipping) on e4m3's grid: XLA's convert rounds to
+    nearest, ties to even."""
+    return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def _symmetric_quantize(w: jax.Array, fmt: str, group_size: int) -> tuple[jax.Array, jax.Array]:
+    fp8 = VALUE_DTYPE[fmt] == jnp.float8_e4m3fn
+    bits = WEIGHT_BITS[fmt]
+    assert bits is not None, f"{fmt} has no quantized weights"
+    qmax = E4M3_MAX if fp8 else 2 ** (bits - 1) - 1
     *lead, k, n = w.shape
     groups = w.astype(jnp.float32).reshape(*lead, k // group_size, group_size, n)
     absmax = jnp.max(jnp.abs(groups), axis=-2)
     scales = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.round(groups / scales[..., None, :]), -qmax, qmax).astype(jnp.int8)
+    v = groups / scales[..., None, :]
+    q = _to_e4m3(v) if fp8 else jnp.clip(jnp.round(v), -qmax, qmax).astype(jnp.int8)
     return q.reshape(*lead, k, n), scales
 
 
@@ -128,13 +149,14 @@ def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> Quantized
         return QuantizedWeight(values=w, scales=None, fmt=fmt, group_size=g)
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"quantize expects floating-point weights, got {w.dtype}")
-    q, scales = _symmetric_quantize(w, bits, g)
+    q, scales = _symmetric_quantize(w, fmt, g)
     values = pack_int4(q, g) if bits == 4 else q
     return QuantizedWeight(values=values, scales=scales, fmt=fmt, group_size=g)
 
 
 def int_values(w: QuantizedWeight) -> jax.Array:
-    """The integer weights [.., K, N] (int8 dtype, int4 range for 4-bit formats)."""
+    """The quantized weight values [.., K, N] unpacked: int8 (int4 range for 4-bit formats), or
+    float8_e4m3fn for fp8."""
     if WEIGHT_BITS[w.fmt] == 4:
         return unpack_int4(w.values, w.group_size)
     return w.values
@@ -151,10 +173,14 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return deq.reshape(*lead, k, n).astype(dtype)
 
 
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token (row) abs-max int8 quantization of [.., K] activations -> (int8, f32 [.., 1])."""
+def quantize_activations(x: jax.Array, fmt: str = "w8a8") -> tuple[jax.Array, jax.Array]:
+    """Per-token (row) abs-max quantization of [.., K] activations to the a8 format ``fmt``'s
+    8-bit type -> (int8 or float8_e4m3fn, f32 [.., 1]). Row-wise: no row sees another."""
+    fp8 = ACT_DTYPE[fmt] == jnp.float8_e4m3fn
+    qmax = E4M3_MAX if fp8 else 127.0
     xf = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
+    scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
+    v = xf / scale
+    q = _to_e4m3(v) if fp8 else jnp.clip(jnp.round(v), -127, 127).astype(jnp.int8)
     return q, scale

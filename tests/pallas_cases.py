@@ -27,6 +27,16 @@ def lowers(backend: str, fn, *args) -> bool:
     return PLATFORM[backend][1] in lowered_text(backend, fn, *args)
 
 
+def f32_bound(x, w: formats.QuantizedWeight) -> np.ndarray:
+    """The f32 accumulation error bound K * 2^-23 * (|x| @ |W|) of ``x @ w``, with x the
+    activations the kernel multiplies: quantized per token (values times scales) for the a8 formats."""
+    xa = np.asarray(x, np.float64)
+    if formats.ACT_BITS[w.fmt] == 8:
+        q, s = formats.quantize_activations(jnp.asarray(x, jnp.float32), w.fmt)
+        xa = np.asarray(q, np.float64) * np.asarray(s, np.float64)
+    return w.k * 2.0**-23 * (np.abs(xa) @ np.abs(np.asarray(formats.dequantize(w), np.float64)))
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulCases:
     """Random operands of one shape, and the backend's matmul kernels in the interpreter."""

@@ -11,7 +11,7 @@ from kernels_pallas.grouped import expert_weight
 from kernels_pallas.grouped.cpu import group_layout
 
 E, K, N = 4, 128, 40
-GROUP = {"bf16": None, "w8a8": None, "w4a16": 32, "w4a8": 32}
+GROUP = {"bf16": None, "w8a8": None, "w4a16": 32, "w4a8": 32, "fp8": None}
 
 
 def _weights(fmt, seed=0):

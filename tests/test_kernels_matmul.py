@@ -12,7 +12,7 @@ from kernels_pallas.formats import int_values
 from kernels_pallas.matmul import cpu as cpu_matmul
 
 K, N = 256, 48
-GROUP = {"bf16": None, "w8a8": None, "w4a16": 64, "w4a8": 64}
+GROUP = {"bf16": None, "w8a8": None, "w4a16": 64, "w4a8": 64, "fp8": None}
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -30,7 +30,7 @@ def _abs_bound(x, w):
     deq = np.abs(np.asarray(kp.dequantize(w), np.float64))
     xs = np.asarray(x.astype(jnp.float32), np.float64)
     if kp.formats.ACT_BITS[w.fmt] == 8:
-        q, s = kp.quantize_activations(x)
+        q, s = kp.quantize_activations(x, w.fmt)
         xs = np.asarray(q, np.float64) * np.asarray(s, np.float64)
     return np.abs(xs) @ deq
 
@@ -58,6 +58,25 @@ def test_w8a8_equals_int64_numpy_exactly(dtype):
     assert np.abs(acc).max() < 2**31
     want = (acc.astype(np.float32) * sx.astype(np.float32)) * np.asarray(w.scales, np.float32)[0]
     np.testing.assert_array_equal(y, want)
+
+
+def test_fp8_quantization_is_e4m3_per_channel_and_per_token():
+    """fp8 weights: e4m3 values, one scale per column mapping its abs-max to 448 exactly (scale 1
+    for an all-zero column); activations likewise per row. Dequantized, each is within e4m3's
+    half step (2^-4 relative; 2^-10 absolute below the normal range) of the input."""
+    w = np.random.default_rng(21).standard_normal((K, N)).astype(np.float32)
+    w[:, 0] = 0.0
+    wq = kp.quantize(jnp.asarray(w), "fp8")
+    assert wq.values.dtype == jnp.float8_e4m3fn and wq.scales.shape == (1, N)
+    q = np.asarray(wq.values, np.float32)
+    np.testing.assert_array_equal(np.abs(q[:, 1:]).max(0), np.full(N - 1, 448.0, np.float32))
+    assert wq.scales[0, 0] == 1.0 and not q[:, 0].any()
+    scaled = w / np.asarray(wq.scales)
+    assert np.all(np.abs(q - scaled) <= np.maximum(np.abs(scaled) * 2.0**-4, 2.0**-10))
+    x = _x(7, seed=22) * 1e-3
+    qx, sx = kp.quantize_activations(x, "fp8")
+    assert qx.dtype == jnp.float8_e4m3fn and sx.shape == (7, 1)
+    np.testing.assert_array_equal(np.abs(np.asarray(qx, np.float32)).max(1), np.full(7, 448.0, np.float32))
 
 
 def test_w4a8_integer_partials_are_exact():
@@ -156,6 +175,9 @@ def test_error_dtypes():
     bad = kp.QuantizedWeight(values=w.values.astype(jnp.int32), scales=w.scales, fmt="w8a8", group_size=K)
     with pytest.raises(TypeError, match="must be int8, got int32"):
         kp.quantized_matmul(jnp.ones((2, K)), bad)
+    int8_as_fp8 = kp.QuantizedWeight(values=w.values, scales=w.scales, fmt="fp8", group_size=K)
+    with pytest.raises(TypeError, match="fp8 weight values must be float8_e4m3fn, got int8"):
+        kp.quantized_matmul(jnp.ones((2, K)), int8_as_fp8)
 
 
 def test_error_shapes_and_backend():

@@ -10,7 +10,7 @@ from jax.test_util import check_grads
 import kernels_pallas as kp
 
 K, N, E = 128, 24, 3
-GROUP = {"bf16": None, "w8a8": None, "w4a16": 32, "w4a8": 32}
+GROUP = {"bf16": None, "w8a8": None, "w4a16": 32, "w4a8": 32, "fp8": None}
 
 
 def _rand(shape, seed):

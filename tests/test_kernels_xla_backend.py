@@ -10,7 +10,7 @@ import kernels_pallas as kp
 from kernels_pallas import attention, rowwise
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w8a8", "w4a16", "w4a8"])
+@pytest.mark.parametrize("fmt", ["bf16", "w8a8", "w4a16", "w4a8", "fp8"])
 def test_matmuls_match_the_invariant_kernels(fmt):
     x = jax.random.normal(jax.random.key(0), (5, 256), jnp.bfloat16)
     w, we = (

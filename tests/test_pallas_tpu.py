@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_cases import MatmulCases
+from pallas_cases import MatmulCases, f32_bound
 
 import kernels_pallas as kp
 from kernels_pallas import formats
@@ -44,11 +44,7 @@ def test_matches_reference_and_rows_are_invariant(fmt):
         acc = xq.astype(np.int64) @ np.asarray(w.values, np.int64)
         np.testing.assert_array_equal(full, (acc.astype(np.float32) * sx) * np.asarray(w.scales))
     else:
-        xa = np.abs(np.asarray(x, np.float64))
-        if formats.ACT_BITS[fmt] == 8:
-            xa = xa + xa.max(-1, keepdims=True) / 127
-        bound = K * 2.0**-23 * (xa @ np.abs(np.asarray(formats.dequantize(w), np.float64)))
-        assert np.all(np.abs(full - ref) <= bound + 1e-30)
+        assert np.all(np.abs(full - ref) <= f32_bound(x, w) + 1e-30)
     for m in (1, 33):
         np.testing.assert_array_equal(run(x[:m], w), full[:m])
     perm = np.random.default_rng(0).permutation(64)

@@ -24,17 +24,28 @@ CASES = [  # (fmt, group_size, leading expert axis)
     ("w4a16", None, (E,)),
     ("w4a8", 64, ()),
     ("w4a8", None, (E,)),
+    ("fp8", None, ()),
+    ("fp8", None, (E,)),
 ]
+QMAX = {"w8a8": 127, "w4a16": 7, "w4a8": 7, "fp8": 448}
+# e4m3's finite values, ascending: fp8's grid (its ties are the midpoints of neighbours)
+E4M3_GRID = np.unique(np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32))
+E4M3_GRID = E4M3_GRID[np.isfinite(E4M3_GRID)]
 
 
 def _tie_column(rng, qmax: int, group: int) -> np.ndarray:
-    """A column whose values sit on half-integers of their group's scale: dividing by the scale and
-    multiplying by its reciprocal round many of them differently."""
+    """A column whose values sit on ties of their group's scale (half-integers; for fp8, midpoints
+    of neighbouring e4m3 values): dividing by the scale and multiplying by its reciprocal round
+    many of them differently."""
     parts = []
     for _ in range(K // group):
         absmax = np.float32(rng.uniform(0.5, 2.0))
         scale = np.float32(absmax / np.float32(qmax))
-        halves = rng.integers(-qmax, qmax, size=group - 1).astype(np.float32) + np.float32(0.5)
+        if qmax == QMAX["fp8"]:
+            i = rng.integers(0, E4M3_GRID.size - 1, size=group - 1)
+            halves = (E4M3_GRID[i] + E4M3_GRID[i + 1]) / np.float32(2)
+        else:
+            halves = rng.integers(-qmax, qmax, size=group - 1).astype(np.float32) + np.float32(0.5)
         parts.append(np.concatenate([[absmax], (halves * scale).astype(np.float32)]))
     return np.concatenate(parts)
 
@@ -49,15 +60,18 @@ def _weight(lead, qmax, seed, group=K, dtype=jnp.float32) -> jax.Array:
 
 
 def _bits(a) -> np.ndarray:
+    """The raw bits of f32 and e4m3 arrays (equal bits, not merely equal values); ints as they are."""
     a = np.asarray(a)
-    return a.view(np.uint32) if a.dtype == np.float32 else a
+    if a.dtype == np.float32:
+        return a.view(np.uint32)
+    return a.view(np.uint8) if a.dtype == jnp.float8_e4m3fn else a
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=("f32", "bf16"))
 @pytest.mark.parametrize(("fmt", "group_size", "lead"), CASES)
 def test_aqt_equals_formats_bitwise(fmt, group_size, lead, dtype):
     g = kp.resolve_group_size(fmt, K, group_size)
-    w = _weight(lead, 127 if fmt == "w8a8" else 7, seed=len(lead) + g, group=g, dtype=dtype)
+    w = _weight(lead, QMAX[fmt], seed=len(lead) + g, group=g, dtype=dtype)
     got = jax.jit(qaqt.quantize, static_argnums=(1, 2))(w, fmt, group_size)
     want = kp.quantize(w, fmt, group_size)
     assert (got.fmt, got.group_size) == (want.fmt, want.group_size)
@@ -68,7 +82,7 @@ def test_aqt_equals_formats_bitwise(fmt, group_size, lead, dtype):
 
 def test_qtensor_is_tiled_along_k_and_dequantizes_like_formats():
     w = _weight((E,), 7, seed=1)
-    qt = qaqt.quantize_qtensor(w, 4, 32)
+    qt = qaqt.quantize_qtensor(w, "w4a16", 32)
     assert qt.qvalue.shape == (E, K // 32, 32, N) and qt.scale[0].shape == (E, K // 32, 1, N)
     assert int(jnp.abs(qt.qvalue).max()) <= 7
     np.testing.assert_array_equal(_bits(qt.dequant()), _bits(kp.dequantize(kp.quantize(w, "w4a16", 32))))
@@ -78,7 +92,7 @@ def test_stock_aqt_calibration_differs():
     """Why qarl_jax.quant.aqt has its own calibration class: all-zero columns."""
     w = _weight((), 127, seed=2)
     stock = aqt_quantizer.Quantizer(
-        numerics=qaqt.weight_quantizer(8).numerics,
+        numerics=qaqt.weight_quantizer("w8a8").numerics,
         calib_shared_axes=None,
         scale_stop_grad=True,
         scale_dtype=jnp.float32,

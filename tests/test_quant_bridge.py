@@ -15,6 +15,7 @@ SPECS = [
     QuantSpec(fmt="w8a8"),
     QuantSpec(fmt="w4a16", group_size=32),
     QuantSpec(fmt="w4a8"),
+    QuantSpec(fmt="fp8"),
 ]
 
 

@@ -44,7 +44,8 @@ def test_every_kernel_compiles_for_tpu(topology):
 
 
 def test_v4_refuses_the_int8_formats_in_one_line():
-    """TPU v4 has no int8 MXU: its a8 matmuls fail with one line that says so; bf16 and w4a16 compile."""
+    """TPU v4 has no int8 MXU: its int8-activation matmuls fail with one line that says so; bf16,
+    w4a16 and fp8 (e4m3 widened to bf16, a bf16 dot) compile."""
     c = preset("qwen3-tiny")
     devices = topology_devices("v4:2x2x1")
     for fmt in FORMATS:

@@ -21,7 +21,7 @@ from kernels_pallas._tiling import tiled
 from kernels_pallas._triton import compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight
 from kernels_pallas.grouped.common import group_tiles
-from kernels_pallas.matmul.common import compute_dtype, finish, kernel_refs, operands
+from kernels_pallas.matmul.common import channel_scaled, compute_dtype, finish, kernel_refs, operands
 from kernels_pallas.matmul.gpu import Tiling, accumulate, configure
 
 
@@ -47,7 +47,7 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt):
             tiling=tiling,
             cdt=cdt,
         )
-        s_w = s_ref[e, pl.ds(0, 1), :] if fmt == "w8a8" else None
+        s_w = s_ref[e, pl.ds(0, 1), :] if channel_scaled(fmt) else None
         s_x = sx_ref[pl.ds(row0, block_m), :] if int_act else None
         y = finish(acc, fmt, s_w, s_x).astype(o_ref.dtype)
         rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)

@@ -1,4 +1,4 @@
-"""Dense quantized matmul (bf16, w8a8, w4a16, w4a8): ``api`` (public functions and the STE),
+"""Dense quantized matmul (bf16, w8a8, w4a16, w4a8, fp8): ``api`` (public functions and the STE),
 ``reference`` (float64), ``cpu`` / ``gpu`` (Pallas-Triton) / ``tpu`` (Pallas Mosaic) kernels,
 ``common`` (what the two Pallas kernels share), ``tuned`` (the GPU's measured block table)."""
 

@@ -20,13 +20,16 @@ def default_block_rows(k: int, n: int) -> int:
 
 
 def prepare_weight(w: QuantizedWeight, x_dtype) -> tuple[jax.Array, jax.Array | None]:
-    """Weight-only, exact work hoisted out of the block loop: int4 unpacking, and the cast of int4
-    values to the activation dtype for w4a16 (exact: |q| <= 8)."""
+    """Weight-only, exact work hoisted out of the block loop: int4 unpacking, the cast of int4
+    values to the activation dtype for w4a16 (exact: |q| <= 8), and of e4m3 values to f32 for fp8
+    (exact)."""
     if w.scales is None:
         return w.values, None
     q = unpack_int4(w.values, w.group_size) if WEIGHT_BITS[w.fmt] == 4 else w.values
     if ACT_BITS[w.fmt] is None:
         q = q.astype(x_dtype)
+    elif w.fmt == "fp8":
+        q = q.astype(jnp.float32)
     return q, w.scales
 
 
@@ -73,6 +76,9 @@ def block_matmul(
         qx, sx = quantize_activations(x)
         acc = _dot(qx, wv, jnp.int32)
         return (acc.astype(jnp.float32) * sx) * scales[0]
+    if fmt == "fp8":  # e4m3 x e4m3 products are exact in f32; the block's dot fixes the sum order
+        qx, sx = quantize_activations(x, fmt)
+        return (_dot(qx.astype(jnp.float32), wv, jnp.float32) * sx) * scales[0]
     if fmt == "w4a16":
         return _scaled_sum(_group_dots(x, wv, group_size, jnp.float32), scales)
     qx, sx = quantize_activations(x)  # w4a8

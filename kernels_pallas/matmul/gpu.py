@@ -9,6 +9,8 @@ Every format (see ``kernels_pallas.formats``) runs through one kernel:
          in the activation dtype with f32 accumulation, each group's partial product scaled
          inside the K loop (acc += partial * s_g), groups in ascending order.
   w4a8   the same unpacking, int8 activations, int32 partial per group.
+  fp8    per-token e4m3 activations; e4m3 x and w tiles widened to bf16 in registers (exact), a
+         bf16 MMA with f32 accumulation (every product exact), y = (acc * s_x) * s_w.
 
 Why the rows are invariant: the tiling (``Blocks``: tile shape, warps, stages, split-K, operand
 order) comes from (fmt, K, N) only (:func:`gpu_blocks`), rows are padded to block_m, each
@@ -36,7 +38,15 @@ from jax.experimental import pallas as pl
 from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, tiled
 from kernels_pallas._triton import MIN_TILE, compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
-from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
+from kernels_pallas.matmul.common import (
+    acc_dtype,
+    channel_scaled,
+    compute_dtype,
+    finish,
+    kernel_refs,
+    operands,
+    part_dtype,
+)
 from kernels_pallas.matmul.tuned import TUNED
 
 GPU_SMS = 132  # H200 / H100 SXM multiprocessors: the decode grid should cover them
@@ -157,11 +167,11 @@ def accumulate(
     """One output tile's K reduction over this program's ``k`` columns, ascending K. ``load_x(col,
     width)`` reads activation columns, ``load_w(row, rows)`` stored weight rows (packed rows for
     4-bit), ``load_s(g)`` the [1, block_n] scales of local group g. Returns f32 (float formats,
-    4-bit) or int32 (w8a8) [block_m, block_n]."""
+    4-bit, fp8) or int32 (w8a8) [block_m, block_n]."""
     bm, bn, bk, swap = tiling.block_m, tiling.block_n, tiling.block_k, tiling.swap_ab
     acc_shape = (bn, bm) if swap else (bm, bn)
-    part_dtype = jnp.int32 if ACT_BITS[fmt] == 8 else jnp.float32
-    dot = functools.partial(_dot, acc=part_dtype, swap=swap, int_dot=tiling.int_dot)
+    part = part_dtype(fmt)
+    dot = functools.partial(_dot, acc=part, swap=swap, int_dot=tiling.int_dot)
 
     if WEIGHT_BITS[fmt] != 4:
 
@@ -170,7 +180,7 @@ def accumulate(
             ws = load_w(i * bk, bk).astype(cdt)
             return acc + dot(xs, ws)
 
-        acc = lax.fori_loop(0, k // bk, body, jnp.zeros(acc_shape, part_dtype))
+        acc = lax.fori_loop(0, k // bk, body, jnp.zeros(acc_shape, part))
         return acc.T if swap else acc
 
     assert load_s is not None, "4-bit weights have group scales"
@@ -206,8 +216,8 @@ def accumulate(
             def inner(c, part):
                 return part + unpacked_part(g * half + c * chunk, g * group_size + c * chunk, chunk)
 
-            part = lax.fori_loop(0, half // chunk, inner, jnp.zeros(acc_shape, part_dtype))
-            return acc + scaled(part, g)
+            group_part = lax.fori_loop(0, half // chunk, inner, jnp.zeros(acc_shape, part))
+            return acc + scaled(group_part, g)
 
         acc = lax.fori_loop(0, k // group_size, group, zeros)
     return acc.T if swap else acc
@@ -215,7 +225,7 @@ def accumulate(
 
 def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused: bool):
     """One (row block, column block, K split) program; ``fused``: no split, apply the scales here."""
-    in_scales = WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused)
+    in_scales = WEIGHT_BITS[fmt] == 4 or (channel_scaled(fmt) and fused)
     in_sx = ACT_BITS[fmt] == 8 and fused
     x_ref, w_ref, s_ref, sx_ref, (o_ref,) = kernel_refs(refs, in_scales, in_sx)
     acc = accumulate(
@@ -229,7 +239,7 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused
         cdt=cdt,
     )
     if fused:
-        s_w = s_ref[...] if fmt == "w8a8" else None
+        s_w = s_ref[...] if channel_scaled(fmt) else None
         acc = finish(acc, fmt, s_w, sx_ref[...] if in_sx else None)
     o_ref[...] = acc.astype(o_ref.dtype)
 
@@ -251,7 +261,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         pl.BlockSpec((bm, k_local), lambda i, j, s: (i, s)),
         pl.BlockSpec((ops.w.shape[0] // split, bn), lambda i, j, s: (s, j)),
     ]
-    if WEIGHT_BITS[fmt] == 4 or (fmt == "w8a8" and fused):
+    if WEIGHT_BITS[fmt] == 4 or (channel_scaled(fmt) and fused):
         assert ops.scales is not None, f"{fmt} weights have scales"
         args.append(ops.scales)
         in_specs.append(pl.BlockSpec((ops.scales.shape[0] // split, bn), lambda i, j, s: (s, j)))
@@ -290,5 +300,5 @@ def combine_splits(parts, fmt: str, scales, sx, out_dtype, n: int) -> jax.Array:
     acc = parts[0]
     for s in range(1, parts.shape[0]):
         acc = acc + parts[s]
-    s_w = scales[:, :n] if fmt == "w8a8" else None
+    s_w = scales[:, :n] if channel_scaled(fmt) else None
     return finish(acc, fmt, s_w, sx).astype(out_dtype)

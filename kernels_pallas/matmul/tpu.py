@@ -11,6 +11,9 @@ ascending order, accumulating into a VMEM scratch tile that is written out at th
          (widened to int32, two arithmetic shifts, "group halves" layout), dotted in the
          activation dtype with f32 accumulation, and scaled inside the K loop: acc += part * s_g.
   w4a8   the same with int8 activations and an int32 partial per group.
+  fp8    per-token e4m3 activations; the e4m3 x and w tiles widened to bf16 in VMEM (exact), a
+         bf16 MXU dot with f32 accumulation (every product exact), y = (acc * s_x) * s_w at the
+         last step.
 
 Rows are invariant because every block size comes from (K, N) and the format (:func:`tpu_blocks`),
 never from M; M only sets how many row blocks the grid has.
@@ -29,7 +32,15 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import Blocks, round_up, tiled
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
-from kernels_pallas.matmul.common import acc_dtype, compute_dtype, finish, kernel_refs, operands
+from kernels_pallas.matmul.common import (
+    acc_dtype,
+    channel_scaled,
+    compute_dtype,
+    finish,
+    kernel_refs,
+    operands,
+    part_dtype,
+)
 
 
 def tpu_blocks(fmt: str, k: int, n: int) -> Blocks:
@@ -47,7 +58,7 @@ def accumulate_step(x_ref, w_ref, s_ref, acc_ref, *, fmt: str, group_size: int, 
     if WEIGHT_BITS[fmt] != 4:
         acc_ref[...] += mxu_dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), acc_ref.dtype)
         return
-    part_dtype = jnp.int32 if ACT_BITS[fmt] == 8 else jnp.float32
+    part = part_dtype(fmt)
     half = group_size // 2
     for g in range(step_k // group_size):
         p = w_ref[g * half : (g + 1) * half, :].astype(jnp.int32)
@@ -55,8 +66,8 @@ def accumulate_step(x_ref, w_ref, s_ref, acc_ref, *, fmt: str, group_size: int, 
         hi = jnp.right_shift(p, 4).astype(cdt)
         x_lo = x_ref[:, g * group_size : g * group_size + half].astype(cdt)
         x_hi = x_ref[:, g * group_size + half : (g + 1) * group_size].astype(cdt)
-        part = mxu_dot(x_lo, lo, part_dtype) + mxu_dot(x_hi, hi, part_dtype)
-        acc_ref[...] += part.astype(jnp.float32) * s_ref[g]
+        group_part = mxu_dot(x_lo, lo, part) + mxu_dot(x_hi, hi, part)
+        acc_ref[...] += group_part.astype(jnp.float32) * s_ref[g]
 
 
 def plan(w: QuantizedWeight, blocks: Blocks) -> tuple[int, int, int, int]:
@@ -84,7 +95,7 @@ def configure(w: QuantizedWeight, **knobs) -> Blocks:
 
 def scale_operand(w: QuantizedWeight, scales: jax.Array, step: int) -> tuple[jax.Array, tuple, Callable]:
     """The weight scales as the kernel reads them, their block shape and block index ``(kk, j) ->``
-    (both without the expert axis): w8a8 one [1, block_n] row; int4 one [1, block_n] row per group
+    (both without the expert axis): w8a8 and fp8 one [1, block_n] row; int4 one [1, block_n] row per group
     of the K step, as a 3-D array so that a group's row is a whole VMEM tile."""
     if WEIGHT_BITS[w.fmt] == 4:
         *lead, groups, n = scales.shape
@@ -106,7 +117,7 @@ def k_step(x_ref, w_ref, s_ref, sx_ref, acc_ref, store, **cfg) -> None:
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        s_w = s_ref[...] if cfg["fmt"] == "w8a8" else None
+        s_w = s_ref[...] if channel_scaled(cfg["fmt"]) else None
         store(finish(acc_ref[...], cfg["fmt"], s_w, None if sx_ref is None else sx_ref[...]))
 
 

@@ -13,8 +13,8 @@ from kernels_pallas.formats import ACT_BITS, QuantizedWeight, dequantize, quanti
 def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype) -> jax.Array:
     """[M, K] x QuantizedWeight [K, N] -> [M, N] with one XLA dot (inputs already checked)."""
     if w.scales is not None and ACT_BITS[w.fmt] == 8:
-        qx, sx = quantize_activations(x)
-        return ((qx.astype(jnp.float32) @ dequantize(w)) * sx).astype(out_dtype)  # w8a8 / w4a8
+        qx, sx = quantize_activations(x, w.fmt)
+        return ((qx.astype(jnp.float32) @ dequantize(w)) * sx).astype(out_dtype)  # w8a8 / w4a8 / fp8
     wf = w.values if w.scales is None else dequantize(w)  # w4a16: the int4 values times f32 scales
     ct = jnp.promote_types(x.dtype, wf.dtype)
     return jnp.dot(x.astype(ct), wf.astype(ct), preferred_element_type=jnp.float32).astype(out_dtype)

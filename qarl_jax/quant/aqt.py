@@ -8,7 +8,9 @@ kernel is the raw matmul and quantizes activations itself (per token, row-invari
 The integers and scales are exactly :func:`kernels_pallas.formats.quantize`'s, so training and
 rollout, AQT or not, run the same kernel on the same bits:
 - numerics: AQT's ``IntSymmetric`` with ``preserve_zero`` and ``preserve_max_val`` has quant bound
-  qmax (127 / 7), clips to [-qmax, qmax] and rounds half to even: our numerics as they are;
+  qmax (127 / 7), clips to [-qmax, qmax] and rounds half to even: our numerics as they are; for
+  fp8 its ``Fp8Numerics`` (e4m3) has quant bound 448, clips to [-448, 448] and casts to e4m3
+  (nearest, ties to even), as :func:`kernels_pallas.formats.quantize` does;
 - groups: AQT's tiling of the contraction axis K into tiles of ``group_size`` rows, calibrated
   per tile: scales [.., K // group_size, N] (per channel is one tile of K rows);
 - two small classes of ours where stock AQT is not our numerics: its ``AbsMaxCalibration`` gives
@@ -26,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from aqt.jax.v2 import aqt_quantizer, aqt_tensor, calibration
 from aqt.jax.v2 import utils as aqt_utils
-from aqt.jax.v2.numerics import int_numerics
+from aqt.jax.v2.numerics import fp8_numerics, int_numerics, numerics
 from aqt.jax.v2.tiled_dot_general import AxisTiling, generate_tiling_state
 
-from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, pack_int4, resolve_group_size
+from kernels_pallas.formats import VALUE_DTYPE, WEIGHT_BITS, QuantizedWeight, pack_int4, resolve_group_size
 
 
 @aqt_utils.flax_slots_kw_only_dataclass
@@ -56,12 +58,13 @@ class DividingQuantizer(aqt_quantizer.Quantizer):
         return qt.replace(qvalue=qvalue), jax.tree_util.Partial(self.numerics.vjp_bwd, res)
 
 
-@functools.cache
-def weight_quantizer(bits: int) -> DividingQuantizer:
-    """The AQT quantizer of ``bits``-bit weights: f32 scales, int8 container (int4 values are
-    packed by us, two per byte), no stochastic rounding."""
-    numerics = int_numerics.IntSymmetric(
-        bits=bits,
+def _numerics(fmt: str) -> numerics.AqtNumerics:
+    """fp8: e4m3 values; the integer formats: ``bits``-bit integers in an int8 container (int4
+    values are packed by us, two per byte). No stochastic rounding."""
+    if VALUE_DTYPE[fmt] == jnp.float8_e4m3fn:
+        return fp8_numerics.Fp8Numerics(dtype=jnp.float8_e4m3fn, stochastic_rounding=False)
+    return int_numerics.IntSymmetric(
+        bits=WEIGHT_BITS[fmt],
         preserve_zero=True,
         preserve_max_val=True,
         clip=True,
@@ -70,8 +73,13 @@ def weight_quantizer(bits: int) -> DividingQuantizer:
         noise_fn=None,
         dtype=jnp.int8,
     )
+
+
+@functools.cache
+def weight_quantizer(fmt: str) -> DividingQuantizer:
+    """The AQT quantizer of ``fmt``'s weights (a quantized format): f32 scales."""
     quantizer = DividingQuantizer(
-        numerics=numerics,
+        numerics=_numerics(fmt),
         calib_shared_axes=None,
         scale_stop_grad=True,
         scale_dtype=jnp.float32,
@@ -82,13 +90,14 @@ def weight_quantizer(bits: int) -> DividingQuantizer:
     return quantizer
 
 
-def quantize_qtensor(w: jax.Array, bits: int, group_size: int) -> aqt_tensor.QTensor:
-    """AQT-quantize a [.., K, N] weight calibrated per tile of ``group_size`` rows of K: qvalue
-    [.., K // group_size, group_size, N] int8, scale [.., K // group_size, 1, N] f32."""
+def quantize_qtensor(w: jax.Array, fmt: str, group_size: int) -> aqt_tensor.QTensor:
+    """AQT-quantize a [.., K, N] weight into ``fmt`` calibrated per tile of ``group_size`` rows of
+    K: qvalue [.., K // group_size, group_size, N] int8 (e4m3 for fp8), scale
+    [.., K // group_size, 1, N] f32."""
     w = w.astype(jnp.float32)
     k_axis = w.ndim - 2
     tiling = generate_tiling_state(w, [AxisTiling(axis=k_axis, tile_size=group_size)])
-    qt, _ = weight_quantizer(bits).quant(w, calibration_axes=[k_axis], tiling_state=tiling)
+    qt, _ = weight_quantizer(fmt).quant(w, calibration_axes=[k_axis], tiling_state=tiling)
     return qt
 
 
@@ -103,12 +112,11 @@ def to_quantized_weight(qt: aqt_tensor.QTensor, fmt: str, group_size: int) -> Qu
 def quantize(w: jax.Array, fmt: str, group_size: int | None = None) -> QuantizedWeight:
     """:func:`kernels_pallas.quantize` through AQT, bit for bit, for the quantized formats."""
     g = resolve_group_size(fmt, w.shape[-2], group_size)
-    bits = WEIGHT_BITS[fmt]
-    if bits is None:
+    if WEIGHT_BITS[fmt] is None:
         raise ValueError(f"AQT quantizes weights of the quantized formats, not {fmt!r}")
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"quantize expects floating-point weights, got {w.dtype}")
-    return to_quantized_weight(quantize_qtensor(w, bits, g), fmt, g)
+    return to_quantized_weight(quantize_qtensor(w, fmt, g), fmt, g)
 
 
 __all__ = [

@@ -41,8 +41,8 @@ MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    fmt: str = "bf16"  # bf16 | w8a8 | w4a16 | w4a8
-    group_size: int | None = None  # None: format default (128 for int4, per channel for int8)
+    fmt: str = "bf16"  # bf16 | w8a8 | w4a16 | w4a8 | fp8
+    group_size: int | None = None  # None: format default (128 for int4, per channel for w8a8 / fp8)
     quantized: tuple[str, ...] = ("attention", "mlp", "experts")  # the other kinds run the bf16 kernel
     # aligned: the training forward runs these kernels on weights quantized on the fly (QaRL);
     # naive: the rollout is quantized, the training forward is full precision (the paper's baseline)

@@ -32,6 +32,7 @@ import numpy as np
 import kernels_pallas
 from qarl_jax import quant
 from qarl_jax.models import PRESETS, Qwen3ForCausalLM, TransformerConfig, init_params, save_pretrained
+from qarl_jax.models.hf_io import config_to_hf
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 CPU_SHAPE = dict(
@@ -242,7 +243,7 @@ def hf_sweep(
         return report | {"unavailable": f"{type(err).__name__}: {err}"}
     if device == "cuda" and not torch.cuda.is_available():
         return report | {"unavailable": f"torch {torch.__version__} sees no CUDA device"}
-    hf = TransformerConfig(**shape).to_hf()
+    hf = config_to_hf(TransformerConfig(**shape))
     hf_config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -36,11 +36,17 @@ def test_rms_norm_matches_f64_and_is_row_invariant():
     assert_row_invariant(f, x)
 
 
-def test_rope_matches_f64_and_is_row_invariant():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rope_matches_f64_and_is_row_invariant(scaled):
+    """theta's frequencies, or given ones (a scaled RoPE's: here the lower half divided by 8)."""
     x = rows(n=4 * 32).reshape(M, 4, 32)
     pos = jnp.asarray(np.random.default_rng(1).integers(0, 5000, M), jnp.int32)
-    f = jax.jit(lambda x, p: rowwise.rope(x, p, 1e4))
-    inv = 1.0 / 1e4 ** (np.arange(0, 32, 2) / 32)
+    inv = (
+        1.0 / 1e4 ** (np.arange(0, 32, 2) / 32) / (np.where(np.arange(16) >= 8, 8.0, 1.0) if scaled else 1.0)
+    )
+    inv = inv.astype(np.float32).astype(np.float64)  # the f32 frequencies the kernel is given
+    given = tuple(inv) if scaled else None
+    f = jax.jit(lambda x, p: rowwise.rope(x, p, 1e4, given))
     ang = np.asarray(pos, np.float64)[:, None] * inv
     cos, sin = (
         np.cos(np.concatenate([ang, ang], -1))[:, None],

@@ -21,6 +21,7 @@ from qarl_jax.models import (
     preset,
     save_pretrained,
 )
+from qarl_jax.models.hf_io import config_to_hf
 
 
 def _word_tokenizer() -> Tokenizer:
@@ -30,13 +31,13 @@ def _word_tokenizer() -> Tokenizer:
     return tok
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "qwen2-tiny", "llama-tiny"])
 def test_export_import_round_trip_is_bitwise(tmp_path, name):
     config = preset(name)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))
     save_pretrained(tmp_path, config, params, tokenizer=_word_tokenizer())
     model, loaded, tok = from_pretrained(tmp_path)
-    assert model.config.to_hf() == config.to_hf()
+    assert config_to_hf(model.config) == config_to_hf(config)
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
     assert tok.encode("one plus two").ids == [2, 3, 4]
@@ -52,7 +53,9 @@ def test_sharded_export_writes_index_and_reloads(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
-@pytest.mark.parametrize("case", ["dense-untied-gqa2", "moe-top2-norm-mlponly"])
+@pytest.mark.parametrize(
+    "case", ["dense-untied-gqa2", "moe-top2-norm-mlponly", "qwen2-tied-gqa4-theta", "llama-untied-llama3"]
+)
 def test_transformers_loads_our_export(tmp_path, case):
     hf = make_hf_model(case, seed=7)
     hf.save_pretrained(tmp_path / "orig")

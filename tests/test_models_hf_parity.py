@@ -1,4 +1,5 @@
-"""Our Flax Qwen3 / Qwen3-MoE against transformers' PyTorch models loaded from the same files."""
+"""Our Flax model (Qwen3, Qwen3-MoE, Qwen2, Llama 3) against transformers' PyTorch models loaded from the
+same files."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,12 @@ import torch
 from hf_reference import CASES, make_hf_model, padded_batch
 
 from qarl_jax.models import KVCache, from_pretrained
+
+# the cache and packing tests (slow: one compiled decode step per position) on every Qwen3 case and one
+# of each further family (Qwen2's biases, Llama 3's scaled RoPE at decode positions); the logits test
+# on every case
+CACHE_CASES = [c for c in sorted(CASES) if not c.startswith(("qwen2", "llama"))]
+CACHE_CASES += ["qwen2-untied-gqa2", "llama-untied-llama3"]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -31,6 +38,7 @@ def test_logits_match_transformers_on_padded_batches(pair, seed):
     np.testing.assert_array_equal(ours.argmax(-1)[valid], ref.argmax(-1)[valid])
 
 
+@pytest.mark.parametrize("pair", CACHE_CASES, indirect=True)
 def test_kv_cache_decode_reproduces_full_forward(pair):
     _, model, params = pair
     tokens, _ = padded_batch(model.config.vocab_size, batch=3, length=10, seed=3)
@@ -51,6 +59,7 @@ def test_kv_cache_decode_reproduces_full_forward(pair):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
 
 
+@pytest.mark.parametrize("pair", CACHE_CASES, indirect=True)
 def test_packed_segments_equal_separate_sequences(pair):
     """Two sequences packed in one row (positions restarting) give the logits of each alone."""
     _, model, params = pair

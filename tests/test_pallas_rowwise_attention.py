@@ -31,11 +31,17 @@ def rms_f64(x, w):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * np.asarray(w, np.float64)
 
 
-def rope_f64(x, pos):
+# precomputed inverse frequencies (a scaled RoPE's, e.g. Llama 3's: the low ones divided down)
+SCALED = tuple(float(f) for f in (1.0 / THETA ** (np.arange(0, 16, 2) / 16) / [1, 1, 1, 1.5, 3, 8, 8, 8]))
+
+
+def rope_f64(x, pos, inv_freq=None):
     """float64 rotation at the f32 angles the kernels compute (an f32 angle of ~700 is itself only
-    good to ~3e-5, which is the model's numerics, not the kernel's error)."""
+    good to ~3e-5, which is the model's numerics, not the kernel's error); ``inv_freq``: given
+    frequencies instead of THETA's."""
     x, d = np.asarray(x, np.float64), x.shape[-1]
     inv = (1.0 / THETA ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+    inv = inv if inv_freq is None else np.asarray(inv_freq, np.float32)
     ang = (np.asarray(pos, np.float32)[:, None] * inv).astype(np.float64)
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -59,6 +65,10 @@ ROW_CASES = {  # (the call on a backend, in the interpreter or compiled for it; 
         lambda b, x, p, interpret=True: rowwise.rope(x, p, THETA, backend=b, interpret=interpret),
         lambda: (rand((20, 2, 16), 2), jnp.arange(20, dtype=jnp.int32) * 37),
     ),
+    "rope_scaled": (
+        lambda b, x, p, interpret=True: rowwise.rope(x, p, THETA, SCALED, backend=b, interpret=interpret),
+        lambda: (rand((20, 2, 16), 6), jnp.arange(20, dtype=jnp.int32) * 37),
+    ),
     "logsumexp": (
         lambda b, x, interpret=True, block_v=BLOCK_V: rowwise.logsumexp(
             x, TEMP, block_v=block_v, backend=b, interpret=interpret
@@ -66,7 +76,12 @@ ROW_CASES = {  # (the call on a backend, in the interpreter or compiled for it; 
         lambda: (rand((20, 300), 3, scale=4.0),),
     ),
 }
-F64 = {"rms_norm": rms_f64, "rope": rope_f64, "logsumexp": lse_f64}
+F64 = {
+    "rms_norm": rms_f64,
+    "rope": rope_f64,
+    "rope_scaled": lambda x, p: rope_f64(x, p, SCALED),
+    "logsumexp": lse_f64,
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,12 +121,14 @@ def test_rowwise_matches_f64_and_rows_are_invariant(backend, name):
     full = np.asarray(run(backend, *args))
     np.testing.assert_allclose(full, F64[name](*args), rtol=2e-6, atol=2e-6)
     # one row alone (decode-sized call): the same bits
-    one = np.asarray(run(backend, *(a[5:6] if i == 0 or name == "rope" else a for i, a in enumerate(args))))
+    one = np.asarray(
+        run(backend, *(a[5:6] if i == 0 or name.startswith("rope") else a for i, a in enumerate(args)))
+    )
     np.testing.assert_array_equal(one, full[5:6])
     # the same row among other neighbours, at another index (another row block)
     other = list(make())
     other[0] = rand(args[0].shape, 9, scale=4.0 if name == "logsumexp" else 1.0).at[17].set(args[0][5])
-    if name == "rope":
+    if name.startswith("rope"):
         other[1] = (other[1] * 3).at[17].set(args[1][5])
     np.testing.assert_array_equal(np.asarray(run(backend, *other))[17], full[5])
 

@@ -28,10 +28,12 @@ Keyword options: ``block_v`` (the vocabulary chunk, every backend) and the kerne
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import _backend
 from kernels_pallas._backend import Options, Target
@@ -72,31 +74,46 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, **options: Unpack[Opti
     return _rms_norm(x, weight, float(eps), _backend.target(options))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rope(x, positions, theta, target):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rope(x, positions, theta, inv_freq, target):
     h, d = x.shape[-2:]
     x3d, p1d = x.reshape(-1, h, d), positions.reshape(-1).astype(jnp.int32)
-    return target.kernel("rowwise", "rope")(x3d, p1d, theta=theta).reshape(x.shape)
+    return target.kernel("rowwise", "rope")(x3d, p1d, theta=theta, inv_freq=inv_freq).reshape(x.shape)
 
 
-def _rope_fwd(x, positions, theta, target):
-    return _rope(x, positions, theta, target), positions
+def _rope_fwd(x, positions, theta, inv_freq, target):
+    return _rope(x, positions, theta, inv_freq, target), positions
 
 
-def _rope_bwd(theta, target, positions, g):
+def _rope_bwd(theta, inv_freq, target, positions, g):
     # the rotation is orthogonal: its transpose is the rotation by the opposite angle
-    return reference_rope(g, -positions, theta), None
+    return reference_rope(g, -positions, theta, inv_freq), None
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, **options: Unpack[Options]) -> jax.Array:
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    theta: float,
+    inv_freq: Sequence[float] | None = None,
+    **options: Unpack[Options],
+) -> jax.Array:
     """Rotary embedding of x [..., H, D] at positions [...], each token bitwise independent of the
-    others (Qwen3 numerics: angles in f32, rotate_half)."""
+    others (Qwen3 numerics: angles in f32, rotate_half). ``inv_freq``: the D/2 inverse frequencies
+    of a scaled RoPE (Llama 3's ``llama3`` scaling rewrites theta's), rounded to f32; they are
+    compile-time constants of the kernel, like theta's."""
     if x.shape[:-2] != positions.shape or x.shape[-1] % 2:
         raise ValueError(f"x {x.shape} must be [..., H, D] (D even) with positions {x.shape[:-2]}")
-    return _rope(x, positions, float(theta), _backend.target(options))
+    freqs = None
+    if inv_freq is not None:
+        freqs = tuple(float(f) for f in np.asarray(inv_freq, np.float32).reshape(-1))
+        if len(freqs) != x.shape[-1] // 2:
+            raise ValueError(
+                f"inv_freq has {len(freqs)} entries, head_dim {x.shape[-1]} needs {x.shape[-1] // 2}"
+            )
+    return _rope(x, positions, float(theta), freqs, _backend.target(options))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -18,8 +18,11 @@ def rms_rows(x: jax.Array, weight: jax.Array, eps: float, d: int, dtype) -> jax.
     return weight.astype(dtype) * y.astype(dtype)
 
 
-def inv_freq(theta: float, d: int) -> np.ndarray:
-    """RoPE's D/2 inverse frequencies, in f32 as the reference computes them."""
+def inv_freq(theta: float, d: int, given: tuple[float, ...] | None = None) -> np.ndarray:
+    """RoPE's D/2 inverse frequencies, in f32 as the reference computes them: ``given`` ones (a
+    scaled RoPE's) as they are, else ``theta``'s."""
+    if given is not None:
+        return np.asarray(given, np.float32)
     return 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
 
 

@@ -26,12 +26,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, block_rows: int | N
     return map_row_blocks(block, (x,), block_rows or rows_per_block(x.shape[1]), (out,), fusable=True)[0]
 
 
-@row_kernel(static_argnames=("theta", "block_rows"))
-def rope(x: jax.Array, positions: jax.Array, *, theta: float, block_rows: int | None = None) -> jax.Array:
-    """x [M, H, D] rotated at positions [M]."""
+@row_kernel(static_argnames=("theta", "inv_freq", "block_rows"))
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    *,
+    theta: float,
+    inv_freq: tuple[float, ...] | None = None,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """x [M, H, D] rotated at positions [M] (``inv_freq``: a scaled RoPE's frequencies)."""
 
     def block(xb, pb):
-        return (reference_rope(xb, pb, theta),)
+        return (reference_rope(xb, pb, theta, inv_freq),)
 
     out = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     rows = block_rows or rows_per_block(x.shape[1] * x.shape[2])

@@ -15,11 +15,17 @@ def reference_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def reference_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def reference_rope(
+    x: jax.Array, positions: jax.Array, theta: float, inv_freq: tuple[float, ...] | None = None
+) -> jax.Array:
     """Rotary embedding, non-interleaved halves (rotate_half), angles in f32: x [..., H, D],
-    positions [...]."""
+    positions [...]. ``inv_freq``: the D/2 inverse frequencies of a scaled RoPE (Llama 3's),
+    used instead of ``theta``'s."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    else:
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)

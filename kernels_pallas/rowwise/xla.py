@@ -13,8 +13,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float) -> jax.Array:
     return reference_rms_norm(x, weight, eps)
 
 
-def rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
-    return reference_rope(x, positions, theta)
+def rope(
+    x: jax.Array, positions: jax.Array, *, theta: float, inv_freq: tuple[float, ...] | None = None
+) -> jax.Array:
+    return reference_rope(x, positions, theta, inv_freq)
 
 
 def logsumexp(x: jax.Array, *, block_v: int) -> jax.Array:

@@ -43,7 +43,7 @@ import numpy as np
 from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, int_values
 from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.models.config import TransformerConfig
-from qarl_jax.models.hf_io import param_location, tensor_layout, write_safetensors
+from qarl_jax.models.hf_io import config_to_hf, param_location, tensor_layout, write_safetensors
 from qarl_jax.quant import QuantSpec
 
 QUANT_METHOD = "compressed-tensors"
@@ -212,7 +212,7 @@ def save_compressed(
     write_safetensors(ckpt, _tensors(config, frozen, scheme, groups, ignore), max_shard_bytes)
     if not groups:
         raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
-    hf = config.to_hf() | {"quantization_config": quantization_config(spec, groups, ignore)}
+    hf = config_to_hf(config) | {"quantization_config": quantization_config(spec, groups, ignore)}
     (ckpt / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer is not None:
         tokenizer.save(str(ckpt / "tokenizer.json"))

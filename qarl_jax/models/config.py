@@ -1,43 +1,74 @@
-"""Model configuration mirroring a Hugging Face Qwen3 / Qwen3-MoE ``config.json``, and tiny presets."""
+"""Model configuration (field names follow a Hugging Face ``config.json``), the families it covers
+and tiny presets. What differs between Qwen3, Qwen2/Qwen2.5 and Llama 3 is data (:data:`FAMILIES`),
+read by the one decoder in ``qwen3.py``; the translation to and from ``config.json`` and the
+safetensors names lives in ``hf_io.py``."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 REMAT_POLICIES = ("full", "save_dots", "none")
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
-# config.json keys we read; anything else in the file is carried through untouched on export.
-_HF_KEYS = {
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "max_position_embeddings",
-    "num_experts",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "hidden_act",
-    "attention_bias",
-    "use_sliding_window",
-    "architectures",
-    "model_type",
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one Hugging Face architecture changes in the shared decoder."""
+
+    family: str  # TransformerConfig.family: the dense and MoE classes of one family share it
+    model_type: str  # config.json's model_type
+    moe: bool  # routed experts (num_experts > 0)
+    qkv_bias: bool  # q/k/v projections carry a bias (o_proj and the MLP never do)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    rope_types: tuple[str, ...]  # the RoPE variants implemented for it ("default", "llama3")
+    tie_default: bool  # tie_word_embeddings when config.json leaves it out (transformers' default)
+
+
+# Hugging Face class name -> its family's data: the only place an architecture is named.
+FAMILIES: dict[str, Family] = {
+    "Qwen3ForCausalLM": Family("qwen3", "qwen3", False, False, True, ("default",), False),
+    "Qwen3MoeForCausalLM": Family("qwen3", "qwen3_moe", True, False, True, ("default",), False),
+    "Qwen2ForCausalLM": Family("qwen2", "qwen2", False, True, False, ("default",), False),
+    "LlamaForCausalLM": Family("llama", "llama", False, False, False, ("default", "llama3"), False),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's ``rope_scaling`` (``rope_type: llama3``): frequencies whose wavelength exceeds
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those below
+    ``/ high_freq_factor`` kept, those between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not (self.factor > 0 and self.original_max_position_embeddings > 0):
+            raise ValueError(
+                f"llama3 rope_scaling needs factor and original_max_position_embeddings > 0: {self}"
+            )
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor: {self}")
+
+    def inv_freq(self, theta: float, head_dim: int) -> np.ndarray:
+        """The scaled D/2 inverse frequencies in f32, step by step as transformers'
+        ``_compute_llama3_parameters`` computes them (float32 tensors)."""
+        f32 = np.float32
+        inv = f32(1.0) / (f32(theta) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
+        old = f32(self.original_max_position_embeddings)
+        low, high, factor = f32(self.low_freq_factor), f32(self.high_freq_factor), f32(self.factor)
+        wavelen = f32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(f32)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16")
@@ -58,7 +89,8 @@ def dtype_name(dtype: Any, what: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Architecture of a Qwen3 dense or MoE causal LM (field names follow ``config.json``)."""
+    """Architecture of a decoder-only causal LM of one of the :data:`FAMILIES` (Qwen3 dense or MoE,
+    Qwen2/Qwen2.5, Llama 3); field names follow ``config.json``."""
 
     vocab_size: int
     hidden_size: int
@@ -69,6 +101,8 @@ class TransformerConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: Llama3RopeScaling | None = None  # None: the default RoPE
+    family: str = "qwen3"  # a Family.family of FAMILIES: qwen3 | qwen2 | llama
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     # MoE (num_experts == 0 means dense)
@@ -102,6 +136,16 @@ class TransformerConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if not any(f.family == self.family for f in FAMILIES.values()):
+            families = sorted({f.family for f in FAMILIES.values()})
+            raise ValueError(f"TransformerConfig.family={self.family!r} is not one of {families}")
+        if not any(f.family == self.family and f.moe == self.is_moe for f in FAMILIES.values()):
+            raise ValueError(
+                f"family {self.family!r} has no {'MoE' if self.is_moe else 'dense'} model "
+                "(the only MoE is Qwen3-MoE)"
+            )
+        if self.rope_scaling is not None and "llama3" not in self.spec.rope_types:
+            raise ValueError(f"family {self.family!r} does not take the llama3 rope_scaling")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts]")
         if self.is_moe and self.moe_intermediate_size <= 0:
@@ -138,105 +182,24 @@ class TransformerConfig:
 
     @property
     def architecture(self) -> str:
-        return "Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"
+        """The Hugging Face class name (a key of :data:`FAMILIES`)."""
+        return next(k for k, f in FAMILIES.items() if f.family == self.family and f.moe == self.is_moe)
+
+    @property
+    def spec(self) -> Family:
+        """This model's row of :data:`FAMILIES`."""
+        return FAMILIES[self.architecture]
+
+    @property
+    def rope_inv_freq(self) -> tuple[float, ...] | None:
+        """RoPE's D/2 inverse frequencies when scaled (llama3), None for theta's default ones (the
+        kernels compute those themselves)."""
+        if self.rope_scaling is None:
+            return None
+        return tuple(float(f) for f in self.rope_scaling.inv_freq(self.rope_theta, self.head_dim))
 
     def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json", **overrides) -> TransformerConfig:
-        """Build from a parsed ``config.json``; raises naming ``source`` on what it cannot run."""
-        archs = cfg.get("architectures") or []
-        arch = (
-            archs[0]
-            if archs
-            else {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
-                cfg.get("model_type", "")
-            )
-        )
-        if arch not in ARCHITECTURES:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"qarl_jax runs {sorted(ARCHITECTURES)}"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported (Qwen3 uses silu)")
-        if cfg.get("attention_bias", False):
-            raise ValueError(f"{source}: attention_bias=true is not supported (Qwen3 has no attention bias)")
-        if cfg.get("use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        missing = [
-            k
-            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-            if k not in cfg
-        ]
-        if missing:
-            raise ValueError(f"{source}: missing required keys {missing}")
-        heads = cfg["num_attention_heads"]
-        is_moe = ARCHITECTURES[arch] == "qwen3_moe"
-        fields = dict(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 0),
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
-        )
-        if is_moe:
-            fields.update(
-                num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 0)),
-                num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=cfg.get("norm_topk_prob", True),
-                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            )
-        extra = tuple(sorted((k, v) for k, v in cfg.items() if k not in _HF_KEYS and k != "dtype"))
-        return cls(**fields, extra_hf=extra, **overrides)
-
-    def to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers reads back."""
-        out: dict[str, Any] = dict(self.extra_hf)
-        out.update(
-            architectures=[self.architecture],
-            model_type="qwen3_moe" if self.is_moe else "qwen3",
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-            attention_bias=False,
-            use_sliding_window=False,
-            dtype=self.param_dtype,
-        )
-        if self.is_moe:
-            out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-            )
-        return out
 
 
 # Tiny presets for tests and the CPU default: hidden/intermediate sizes are multiples of 128 so
@@ -314,6 +277,64 @@ PRESETS["qwen3-235b-a22b"] = PRESETS["qwen3-30b-a3b"].replace(
     num_hidden_layers=94,
     num_attention_heads=64,
     moe_intermediate_size=1536,
+)
+
+# Qwen2.5-Math (Qwen2ForCausalLM: q/k/v biases, no q/k norms; the paper's Qwen2.5 rows) and Llama 3
+# (LlamaForCausalLM, llama3 rope_scaling), their config.json values
+PRESETS["qwen2.5-math-1.5b"] = TransformerConfig(  # 1.54B params
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+PRESETS["qwen2.5-math-7b"] = PRESETS["qwen2.5-math-1.5b"].replace(  # 7.62B params
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+PRESETS["llama-3.2-1b"] = TransformerConfig(  # 1.24B params
+    family="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=Llama3RopeScaling(32.0, 1.0, 4.0, 8192),
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+)
+PRESETS["llama-3.1-8b"] = PRESETS["llama-3.2-1b"].replace(  # 8.03B params
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    head_dim=128,
+    rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192),
+    tie_word_embeddings=False,
+)
+# tiny ones of each family for tests: Qwen2 tied (as Qwen2.5-Math-1.5B), Llama untied with a
+# llama3 scaling whose original context (64) puts frequencies in all three of its bands
+PRESETS["qwen2-tiny"] = _TINY.replace(family="qwen2")
+PRESETS["llama-tiny"] = _TINY.replace(
+    family="llama",
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 64),
+    tie_word_embeddings=False,
 )
 
 

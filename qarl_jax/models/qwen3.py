@@ -132,7 +132,8 @@ def _norm_weights(c: TransformerConfig, dim: int, name: str) -> dict:
 
 
 class AttentionWeights(nn.Module):
-    """The attention's parameters: q/k/v/o projections and the q/k RMSNorm scales."""
+    """The attention's parameters: q/k/v/o projections, the q/k/v biases of a family that has them
+    (Qwen2) and the q/k RMSNorm scales of one that has those (Qwen3)."""
 
     config: TransformerConfig
 
@@ -140,16 +141,16 @@ class AttentionWeights(nn.Module):
     def __call__(self) -> dict:
         c = self.config
         h, kv, d = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.head_dim
-        dt = c.param_dtype
-        kernel = lambda shape, axes, name: {"kernel": _Kernel(shape, axes, dt, name=name)()}
-        return {
-            "q_proj": kernel((c.hidden_size, h), ("embed", "q_heads"), "q_proj"),
-            "k_proj": kernel((c.hidden_size, kv), ("embed", "kv_heads"), "k_proj"),
-            "v_proj": kernel((c.hidden_size, kv), ("embed", "kv_heads"), "v_proj"),
-            "o_proj": kernel((h, c.hidden_size), ("q_heads", "embed"), "o_proj"),
-            "q_norm": _norm_weights(c, d, "q_norm"),
-            "k_norm": _norm_weights(c, d, "k_norm"),
+        dt, bias = c.param_dtype, c.spec.qkv_bias
+        weights = {
+            "q_proj": _Projection((c.hidden_size, h), ("embed", "q_heads"), dt, bias, name="q_proj")(),
+            "k_proj": _Projection((c.hidden_size, kv), ("embed", "kv_heads"), dt, bias, name="k_proj")(),
+            "v_proj": _Projection((c.hidden_size, kv), ("embed", "kv_heads"), dt, bias, name="v_proj")(),
+            "o_proj": _Projection((h, c.hidden_size), ("q_heads", "embed"), dt, False, name="o_proj")(),
         }
+        if c.spec.qk_norm:
+            weights.update(q_norm=_norm_weights(c, d, "q_norm"), k_norm=_norm_weights(c, d, "k_norm"))
+        return weights
 
 
 class MLPWeights(nn.Module):
@@ -190,7 +191,15 @@ def _column_specs(weights, tp: ops.TensorParallel | None) -> dict | None:
     if tp is None:
         return None
     return {
-        k: (P(None, tp.axis) if k == "kernel" else _column_specs(v, tp) if isinstance(v, dict) else P())
+        k: (
+            P(None, tp.axis)
+            if k == "kernel"
+            else P(tp.axis)  # a bias follows its kernel's columns
+            if k == "bias"
+            else _column_specs(v, tp)
+            if isinstance(v, dict)
+            else P()
+        )
         for k, v in weights.items()
     }
 
@@ -209,41 +218,56 @@ def _dot(h, w, c: TransformerConfig, spec, kind: str, name: str, tp: ops.TensorP
     return quant.dot(h, w, spec, kind, local_blocks(c, name, tp))
 
 
-def _heads(h, w, norm, positions, c: TransformerConfig, spec, name: str, tp: ops.TensorParallel | None):
-    """q or k [N, heads, D]: the projection ``name``, its per-head RMSNorm and RoPE. In column blocks
-    (``tensor_blocks`` > 1) each block's heads run the three steps as one program of its own: a
-    norm's reduction over more heads at once may sum in another order, so a device holding one
-    block computes what the whole projection computes there."""
-    n, d, eps = h.shape[0], c.head_dim, c.rms_norm_eps
+def _biased(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """A projection's output plus its bias (Qwen2's q/k/v), added in the output's dtype as
+    transformers' Linear adds it; y itself without one."""
+    return y if bias is None else y + bias.astype(y.dtype)
 
-    def block(x, wb):
-        y = quant.dot(x, wb, spec, "attention").reshape(n, -1, d)
-        return rowwise.rope(rowwise.rms_norm(y, norm, eps), positions, c.rope_theta)
+
+def _rotate(y: jax.Array, norm: dict | None, positions, c: TransformerConfig) -> jax.Array:
+    """q or k [N, heads, D] after its projection: the per-head RMSNorm (a family with q/k norms),
+    then RoPE at the config's frequencies (theta's, or Llama 3's scaled ones)."""
+    if norm is not None:
+        y = rowwise.rms_norm(y, norm["scale"], c.rms_norm_eps)
+    return rowwise.rope(y, positions, c.rope_theta, c.rope_inv_freq)
+
+
+def _heads(h, p: dict, norm, positions, c: TransformerConfig, spec, name: str, tp: ops.TensorParallel | None):
+    """q or k [N, heads, D]: the projection ``name`` (``p``: its kernel and bias), its per-head
+    RMSNorm (``norm``, or None) and RoPE. In column blocks (``tensor_blocks`` > 1) each block's heads
+    run these steps as one program of its own: a norm's reduction over more heads at once may sum
+    in another order, so a device holding one block computes what the whole projection computes
+    there; a bias is sliced with its block's columns."""
+    n, d = h.shape[0], c.head_dim
+    w, b = p["kernel"], p.get("bias")
+
+    def block(x, wb, bb):
+        return _rotate(_biased(quant.dot(x, wb, spec, "attention"), bb).reshape(n, -1, d), norm, positions, c)
 
     blocks = local_blocks(c, name, tp)
     if blocks is None:
-        return block(h, w)
+        return block(h, w, b)
     width = (w.n if isinstance(w, quant.QuantizedWeight) else w.shape[-1]) // blocks
-    slices = [lax.optimization_barrier((h, quant.column_slice(w, i * width, width))) for i in range(blocks)]
-    return jnp.concatenate([block(*pair) for pair in slices], axis=1)
+    cut = lambda a, i: None if a is None else quant.column_slice(a, i * width, width)  # noqa: E731
+    slices = [lax.optimization_barrier((h, cut(w, i), cut(b, i))) for i in range(blocks)]
+    return jnp.concatenate([block(*parts) for parts in slices], axis=1)
 
 
 def _pre_attention(x, positions, w, c: TransformerConfig, spec: quant.QuantSpec | None, tp=None):
-    """Per token: input RMSNorm, q/k/v projections, q/k RMSNorms, RoPE. x [N, H], positions [N]
-    -> q [N, heads, D], k, v [N, kv_heads, D] (``tp``: this device's heads)."""
+    """Per token: input RMSNorm, q/k/v projections (and biases), q/k RMSNorms, RoPE. x [N, H],
+    positions [N] -> q [N, heads, D], k, v [N, kv_heads, D] (``tp``: this device's heads)."""
     n, d = x.shape[0], c.head_dim
     eps, a = c.rms_norm_eps, w["self_attn"]
     h = rowwise.rms_norm(x, w["input_layernorm"]["scale"], eps).astype(c.dtype)
     if spec is None or c.tensor_blocks == 1:  # one block: the projection, then norm and RoPE
-        proj = lambda name: quant.dot(h, a[name]["kernel"], spec, "attention").reshape(n, -1, d)  # noqa: E731
-        q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
-        q = rowwise.rope(rowwise.rms_norm(q, a["q_norm"]["scale"], eps), positions, c.rope_theta)
-        k = rowwise.rope(rowwise.rms_norm(k, a["k_norm"]["scale"], eps), positions, c.rope_theta)
+        proj = lambda name: _biased(quant.dot(h, a[name]["kernel"], spec, "attention"), a[name].get("bias"))  # noqa: E731
+        q, k, v = (proj(name).reshape(n, -1, d) for name in ("q_proj", "k_proj", "v_proj"))
+        q, k = _rotate(q, a.get("q_norm"), positions, c), _rotate(k, a.get("k_norm"), positions, c)
         return q, k, v
-    q = _heads(h, a["q_proj"]["kernel"], a["q_norm"]["scale"], positions, c, spec, "q_proj", tp)
-    k = _heads(h, a["k_proj"]["kernel"], a["k_norm"]["scale"], positions, c, spec, "k_proj", tp)
-    v = _dot(h, a["v_proj"]["kernel"], c, spec, "attention", "v_proj", tp).reshape(n, -1, d)
-    return q, k, v
+    q = _heads(h, a["q_proj"], a.get("q_norm"), positions, c, spec, "q_proj", tp)
+    k = _heads(h, a["k_proj"], a.get("k_norm"), positions, c, spec, "k_proj", tp)
+    v = _dot(h, a["v_proj"]["kernel"], c, spec, "attention", "v_proj", tp)
+    return q, k, _biased(v, a["v_proj"].get("bias")).reshape(n, -1, d)
 
 
 def _post_attention(attn, x, w, c: TransformerConfig, spec: quant.QuantSpec | None, dense_mlp: bool, tp=None):
@@ -274,6 +298,25 @@ class _Kernel(nn.Module):
     @nn.compact
     def __call__(self) -> jax.Array:
         return _param(self, "kernel", self.shape, self.axes, jnp.dtype(self.param_dtype))
+
+
+class _Projection(nn.Module):
+    """A projection's parameters: ``kernel`` [K, N] and, with ``bias``, ``bias`` [N] on the kernel's
+    column axis (zeros at init; never quantized: only ``kernel`` leaves are, see
+    :func:`qarl_jax.quant.kind_of`)."""
+
+    shape: tuple[int, int]
+    axes: tuple[str | None, str | None]
+    param_dtype: str
+    bias: bool
+
+    @nn.compact
+    def __call__(self) -> dict:
+        dtype = jnp.dtype(self.param_dtype)
+        out = {"kernel": _param(self, "kernel", self.shape, self.axes, dtype)}
+        if self.bias:
+            out["bias"] = _param(self, "bias", self.shape[-1:], self.axes[-1:], dtype, nn.initializers.zeros)
+        return out
 
 
 class ExpertWeights(nn.Module):

@@ -289,7 +289,7 @@ def kernel_programs(c: TransformerConfig, fmt: str, rows: int = 16, tokens: int 
     ]
     x, w = _struct((tokens, h), bf), _struct((h,), bf)
     norm = lambda x, w: rms_norm(x, w, c.rms_norm_eps)  # noqa: E731
-    rot = lambda x, p: rope(x, p, c.rope_theta)  # noqa: E731
+    rot = lambda x, p: rope(x, p, c.rope_theta, c.rope_inv_freq)  # noqa: E731
     rope_args = (_struct((tokens, c.num_attention_heads, d), bf), _struct((tokens,), "int32"))
     logits, targets = _struct((rows, c.vocab_size), bf), _struct((rows,), "int32")
     out += [

@@ -1,0 +1,80 @@
+"""check_alignment on one device for the families beside Qwen3: a Qwen2 checkpoint (q/k/v biases,
+tied embeddings, an unused sliding_window as Qwen2.5's configs carry) and a Llama 3 one (llama3 RoPE
+scaling, untied), both random and saved by transformers. The rollout engine's log-probs must be the
+trainer's bit for bit in w4a16 and w8a8: the biases and the scaled frequencies run in the same fused
+per-token chains on both sides. One process per family runs both formats (one JAX start-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+from hf_reference import LLAMA3_ROPE, random_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "qarl_jax" / "assets" / "policy" / "tokenizer.json"  # 128 tokens
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=128,  # int4 groups of 128 divide every K
+    intermediate_size=256,
+    num_hidden_layers=1,
+    max_position_embeddings=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+MODELS = {
+    "qwen2": lambda: random_model(
+        Qwen2ForCausalLM,
+        Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=False, sliding_window=64),
+        scale=0.05,
+    ),
+    "llama": lambda: random_model(
+        LlamaForCausalLM,
+        LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+        scale=0.05,
+    ),
+}
+SMALL = [
+    "alignment.prompts=2",
+    "alignment.min_prompt_len=3",
+    "alignment.max_prompt_len=8",
+    "alignment.train_rows=4",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_new_tokens=4",
+    "rollout.slots=4",
+]
+FORMATS = ("w4a16", "w8a8")
+SCRIPT = """
+import sys
+from qarl_jax.tools.check_alignment import main
+path, formats, small = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+for fmt in formats:
+    assert main([f"model.path={path}", f"quant.fmt={fmt}", *small, "--json"]) == 0, fmt
+"""
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
+    MODELS[family]().save_pretrained(tmp_path)
+    shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(FORMATS), *SMALL],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["format"] for r in reports] == list(FORMATS)
+    for r in reports:
+        assert r["mode"] == "aligned" and r["n_tokens"] >= 2 * 2
+        assert r["frac_bitwise_equal"] == 1.0 and r["max_abs_logp_diff"] == 0.0, r

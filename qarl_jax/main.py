@@ -1,5 +1,5 @@
-"""``python -m qarl_jax.main [--config FILE.yaml] [key=value ...] [--export-hf DIR] [--print-config]
-[multi-host flags]``
+"""``python -m qarl_jax.main [--config FILE.yaml] [key=value ...] [--export-hf DIR]
+[--export-compressed-tensors DIR] [--print-config] [multi-host flags]``
 
 Trains a policy with quantized rollouts (see :mod:`qarl_jax.train`). With no arguments: the
 embedded default, a tiny Qwen3 policy on the synthetic arithmetic task with w4a16 rollouts, the
@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file of overrides (see configs/)")
     parser.add_argument("--export-hf", metavar="DIR", help="write the final policy here (save_pretrained)")
     parser.add_argument(
+        "--export-compressed-tensors",
+        metavar="DIR",
+        help="write the final policy's deployed quant.fmt weights here: the rollout's integers and "
+        "scales as a compressed-tensors checkpoint (vLLM, SGLang, transformers load it)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the full resolved config as YAML and exit"
     )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.steps=20 quant.fmt=w8a8")
@@ -78,6 +84,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.export_hf:
         cli.writable_dir(args.export_hf, "--export-hf")  # before the run, not after it
+    if args.export_compressed_tensors:
+        from qarl_jax.models.compressed_tensors import check_exportable
+
+        check_exportable(config.quant)
+        cli.writable_dir(args.export_compressed_tensors, "--export-compressed-tensors")
     _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     from qarl_jax.build import build_tokenizer
@@ -89,6 +100,14 @@ def _run(args: argparse.Namespace) -> int:
         params = distributed.gather(result.state.params)  # every process: the whole weights
         if distributed.is_primary():
             save_pretrained(args.export_hf, result.model.config, params, build_tokenizer(config))
+    if args.export_compressed_tensors:
+        from qarl_jax.models.compressed_tensors import save_compressed
+        from qarl_jax.rollout.layout import freeze
+
+        frozen = distributed.gather(freeze(result.state.params, config.quant, result.model))
+        if distributed.is_primary():
+            out, tokenizer = args.export_compressed_tensors, build_tokenizer(config)
+            save_compressed(out, result.model.config, frozen, config.quant, tokenizer)
     print(json.dumps(result.summary, indent=2))
     return 0
 

@@ -49,6 +49,8 @@ def test_main_trains_and_exports(tmp_path, capsys):
         "run.steps=1",
         "--export-hf",
         str(export),
+        "--export-compressed-tensors",
+        str(tmp_path / "ct"),
     ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -59,6 +61,10 @@ def test_main_trains_and_exports(tmp_path, capsys):
     model, params, tokenizer = from_pretrained(export)
     assert tokenizer.get_vocab_size() == model.config.vocab_size == 128
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    # the deployed w4a16 weights beside it (tests/test_export_compressed_tensors.py: their bits)
+    qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == "pack-quantized" and (tmp_path / "ct" / "tokenizer.json").exists()
+    assert jax.tree.structure(from_pretrained(tmp_path / "ct")[1]) == jax.tree.structure(params)
 
 
 def test_main_imports_no_heavy_optional_framework():

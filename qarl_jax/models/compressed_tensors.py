@@ -1,5 +1,5 @@
 """The deployed policy as a ``compressed-tensors`` checkpoint (what vLLM, SGLang and transformers
-load for int4 / int8 weights), and such a checkpoint read back as float master weights.
+load for int4 / int8 / FP8 weights), and such a checkpoint read back as float master weights.
 
 Why this exists: QaRL's policy is the low-bit policy the rollouts ran. A bf16 export thrown to a
 serving engine's own quantizer gives other integers; this writes the rollout's integers and scales
@@ -13,20 +13,20 @@ the format defines:
 - ``w8a8`` / ``w4a8``: ``int-quantized``: ``weight`` int8 [out, in] (int4 values unpacked for
   w4a8, as compressed-tensors stores W4A8 and vLLM's W4A8 int scheme reads it) and
   ``weight_scale``; activations dynamic per token, symmetric int8;
+- ``fp8``: ``float-quantized`` (the FP8_DYNAMIC scheme): ``weight`` float8_e4m3fn [out, in], one
+  scale per channel; activations dynamic per token, e4m3;
 - scales stay f32 (what our kernels multiply by); all symmetric (no zero points).
 
-Each distinct (strategy, group size) is one config group: a layer whose K is below the 128 default
-group is per channel (``strategy: channel``). Projections the run leaves unquantized (lm_head and
+Each distinct (strategy, group size) is one config group (8-bit: per channel; int4: groups of 128,
+or all of K where K is smaller: tiny models only). Projections the run leaves unquantized (lm_head and
 the MoE router by default) are written as they are and listed in ``ignore``.
 
 Reading back (:class:`CompressedCheckpoint`, used by :func:`qarl_jax.models.hf_io.load_params`):
-``model.path`` may name such a directory; every quantized weight comes back as ``q * scale`` in
-f32, the float master weights. Quantizing them again gives the same integers and scales: each group
-holds a value ``qmax * s`` (its abs-max element) and ``fl(fl(qmax * fl(a / qmax)) / qmax) ==
-fl(a / qmax)`` for every f32 ``a`` (qmax 7 and 127; checked over all 2^23 significands of a binade,
-which covers every normal scale), so the abs-max recomputes the same scale and every ``q * s``
-divides back to ``q``. That holds with f32 master weights (``model.param_dtype=float32``, the
-default); bf16 ones round the dequantized values.
+``model.path`` may name such a directory; every quantized weight comes back as f32 master weights
+that freeze to the stored integers and scales bit for bit: ``q * scale``, with each group's abs-max
+entries nudged by at most one ulp where the freeze would otherwise recompute a scale one ulp off
+(see :func:`master`). That needs f32 master weights (``model.param_dtype=float32``, the default);
+bf16 ones round the dequantized values.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
 
-from kernels_pallas.formats import WEIGHT_BITS, QuantizedWeight, int_values
+from kernels_pallas.formats import E4M3_MAX, WEIGHT_BITS, QuantizedWeight, int_values
 from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.hf_io import config_to_hf, param_location, tensor_layout, write_safetensors
@@ -49,6 +50,7 @@ from qarl_jax.quant import QuantSpec
 QUANT_METHOD = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
 INT_QUANTIZED = "int-quantized"
+FLOAT_QUANTIZED = "float-quantized"
 PACK_BITS = 4  # the packed format this module writes and reads: 4-bit values, 8 an int32
 _INT_ACTIVATIONS = {
     "num_bits": 8,
@@ -56,6 +58,14 @@ _INT_ACTIVATIONS = {
     "symmetric": True,
     "strategy": "token",
     "dynamic": True,
+}
+_FP8_ACTIVATIONS = _INT_ACTIVATIONS | {"type": "float"}
+# (weights' QuantizationType, num_bits) -> our format whose weights those are (its freeze is the
+# one the master weights must round-trip through)
+_WEIGHT_FORMATS: dict[tuple[object, object], str] = {
+    ("int", 4): "w4a16",
+    ("int", 8): "w8a8",
+    ("float", 8): "fp8",
 }
 
 
@@ -65,12 +75,14 @@ class Scheme:
 
     format: str
     activations: dict | None
+    weight_type: str = "int"  # compressed-tensors' QuantizationType of the weights
 
 
 SCHEMES = {
     "w4a16": Scheme(PACK_QUANTIZED, None),
     "w8a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
     "w4a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
+    "fp8": Scheme(FLOAT_QUANTIZED, _FP8_ACTIVATIONS, "float"),
 }
 
 
@@ -125,7 +137,7 @@ def unpack_int32(packed: np.ndarray, k: int) -> np.ndarray:
 
 def _module_tensors(module: str, w: QuantizedWeight, scheme: Scheme) -> Iterator[tuple[str, np.ndarray]]:
     """One quantized projection's tensors (``w`` one matrix: [K(/2), N] values, [K/G, N] scales)."""
-    q = _host(int_values(w)).T  # [out, in] int8
+    q = _host(int_values(w)).T  # [out, in] int8 (fp8: float8_e4m3fn)
     scales = np.ascontiguousarray(_host(w.scales).T.astype(np.float32))  # [out, in / group]
     if scheme.format == PACK_QUANTIZED:
         yield f"{module}.weight_packed", pack_int32(q)
@@ -137,7 +149,10 @@ def _module_tensors(module: str, w: QuantizedWeight, scheme: Scheme) -> Iterator
 
 
 def _group_key(w: QuantizedWeight) -> tuple[str, int | None]:
-    return ("channel", None) if w.group_size == w.k else ("group", w.group_size)
+    """int8 weights are per channel; int4 ones are groups of ``group_size`` even where that is all
+    of K (a 128-row K): real models then need one config group, which transformers' dequantizing
+    loader requires (it applies the first group to every dense layer)."""
+    return ("channel", None) if WEIGHT_BITS[w.fmt] == 8 else ("group", w.group_size)
 
 
 def _tensors(config: TransformerConfig, frozen: dict, scheme: Scheme, groups: dict, ignore: list[str]):
@@ -146,9 +161,9 @@ def _tensors(config: TransformerConfig, frozen: dict, scheme: Scheme, groups: di
     for path, names, _ in tensor_layout(config):
         leaf = _leaf(frozen, config, path)
         is_kernel = path[-1] == "kernel"
-        per_expert = isinstance(names, list)
-        for j, name in enumerate(names if per_expert else [names]):
-            one = jax.tree.map(lambda a: a[j], leaf) if per_expert else leaf  # noqa: B023
+        listed = names if isinstance(names, list) else [names]
+        for j, name in enumerate(listed):
+            one = jax.tree.map(lambda a: a[j], leaf) if isinstance(names, list) else leaf  # noqa: B023
             if isinstance(one, QuantizedWeight):
                 groups.setdefault(_group_key(one), []).append(_module(name))
                 yield from _module_tensors(_module(name), one, scheme)
@@ -170,7 +185,7 @@ def quantization_config(spec: QuantSpec, groups: dict, ignore: list[str]) -> dic
     for i, ((strategy, group_size), modules) in enumerate(sorted(groups.items(), key=str)):
         weights = {
             "num_bits": bits,
-            "type": "int",
+            "type": scheme.weight_type,
             "symmetric": True,
             "strategy": strategy,
             "group_size": group_size,
@@ -219,13 +234,14 @@ def save_compressed(
 
 
 class CompressedCheckpoint:
-    """A compressed-tensors checkpoint's quantized weights, read as dense f32 ``[out, in]`` tensors
-    under their plain names (``...q_proj.weight``), so the loader reads it as any checkpoint."""
+    """A compressed-tensors checkpoint's quantized weights, read as dense f32 ``[out, in]`` master
+    weights under their plain names (``...q_proj.weight``), so the loader reads it as any checkpoint."""
 
     def __init__(self, source: str, qconfig: dict, names: set[str]):
         self.source = source
         self.names = names
         self.consumed: set[str] = set()  # the stored tensors read so far (the loader's expected)
+        self.groups: list[tuple[list[str], str | None]] = []  # (targets, our weight format) a group
         if qconfig.get("quant_method") != QUANT_METHOD:
             raise CheckpointError(
                 f"{source}: quantization_config.quant_method={qconfig.get('quant_method')!r}; this "
@@ -234,47 +250,102 @@ class CompressedCheckpoint:
         for name, group in (qconfig.get("config_groups") or {}).items():
             weights = group.get("weights") or {}
             fmt = group.get("format", qconfig.get("format"))
+            key = (weights.get("type", "int"), weights.get("num_bits"))
             problem = (
                 "asymmetric weights (zero points)"
                 if not weights.get("symmetric", True)
-                else f"weight type {weights.get('type')!r}"
-                if weights.get("type", "int") != "int"
+                else f"{weights.get('num_bits')}-bit {weights.get('type')} weights"
+                if key not in _WEIGHT_FORMATS
                 else f"{weights.get('num_bits')}-bit packed weights"
                 if fmt == PACK_QUANTIZED and weights.get("num_bits") != PACK_BITS
                 else f"format {fmt!r}"
-                if fmt not in (PACK_QUANTIZED, INT_QUANTIZED, "naive-quantized")
+                if fmt not in (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED, "naive-quantized")
                 else None
             )
             if problem:
                 raise CheckpointError(
-                    f"{source}: config group {name} has {problem}; this package reads symmetric int "
-                    f"weights in {PACK_QUANTIZED} (4-bit) or {INT_QUANTIZED}"
+                    f"{source}: config group {name} has {problem}; this package reads symmetric "
+                    f"int4 / int8 / float8 weights in {PACK_QUANTIZED}, {INT_QUANTIZED} or {FLOAT_QUANTIZED}"
                 )
+            self.groups.append((list(group.get("targets") or []), _WEIGHT_FORMATS[key]))
 
     def holds(self, name: str) -> bool:
         """Whether ``name`` (``<module>.weight``) is stored quantized here."""
         return name.endswith(".weight") and f"{_module(name)}.weight_scale" in self.names
 
+    def _format(self, module: str) -> str | None:
+        """Our weight format (w4a16 / w8a8 / fp8) of the config group targeting ``module`` (by name,
+        ``re:`` pattern or the ``Linear`` class, as compressed-tensors matches), None if none does."""
+        for targets, fmt in self.groups:
+            for t in targets:
+                if t == "Linear" or t == module or (t.startswith("re:") and re.match(t[3:], module)):
+                    return fmt
+        return None
+
     def dequantize(self, name: str, read: Callable[[str], np.ndarray]) -> np.ndarray:
-        """``q * scale`` in f32, [out, in] (``read`` a stored tensor by name): the library's own
-        dequantization, per group of the input dim."""
+        """The master weight [out, in] f32 of a stored module (``read``: a stored tensor by name):
+        ``q * scale`` per group of the input dim, the library's own dequantization, with the
+        abs-max entries of each group set so that freezing gives ``scale`` back (:func:`master`)."""
         module = _module(name)
         scale = read(f"{module}.weight_scale").astype(np.float32)
         if f"{module}.weight_packed" in self.names:
             out, k = (int(v) for v in read(f"{module}.weight_shape"))
             q = unpack_int32(read(f"{module}.weight_packed"), k)
             self.consumed.update(f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_shape"))
+            fmt: str | None = "w4a16"
         else:
             q = read(name)
             self.consumed.update((name, f"{module}.weight_scale"))
+            fmt = self._format(module)
         out, k = q.shape
         if scale.ndim != 2 or scale.shape[0] != out or k % scale.shape[1]:
             raise CheckpointError(
                 f"{self.source}: {module}.weight_scale has shape {scale.shape}, not [{out}, groups of {k}]"
             )
-        groups = scale.shape[1]
-        deq = q.astype(np.float32).reshape(out, groups, k // groups) * scale[:, :, None]
+        return master(q, scale, fmt)
+
+
+def master(q: np.ndarray, scale: np.ndarray, fmt: str | None) -> np.ndarray:
+    """Float master weights [out, in] f32 whose freezing gives back ``q`` [out, in] and ``scale``
+    [out, groups] bit for bit (``fmt``: our format holding such weights: w4a16, w8a8 or fp8).
+
+    ``q * scale`` alone is not enough: the freeze computes a group's scale as its abs-max over qmax,
+    and XLA computes that division by a constant as a multiplication by the rounded reciprocal
+    (on CPU at least), so ``fl(fl(qmax * s) * fl(1 / qmax))`` misses ``s`` by one ulp for about half
+    of int4 and ~6% of int8 scales (a true division would always give ``s`` back). So each
+    group's abs-max entries (those at +-qmax) are set to the f32 next to ``qmax * s`` (0 or +-1
+    ulp, tried in that order) for which this backend's freeze (:func:`qarl_jax.quant.aqt.quantize`,
+    what :func:`qarl_jax.rollout.layout.freeze` runs) returns ``s``; every other entry is
+    ``q * s``. Checkpoints whose values are not this package's (an entry below -qmax, a group
+    without a +-qmax entry, grouped 8-bit weights) come back as ``q * scale``."""
+    out, k = q.shape
+    groups = scale.shape[1]
+    g = k // groups
+    qf = q.astype(np.float32).reshape(out, groups, g)
+    deq = qf * scale[:, :, None]
+    qmax = {"w4a16": 7.0, "w8a8": 127.0, "fp8": E4M3_MAX}.get(fmt or "")
+    if fmt is None or qmax is None:
         return deq.reshape(out, k)
+    at_max = np.abs(qf) == qmax
+    ours = (groups == 1 or fmt == "w4a16") and not (qf < -qmax).any()
+    if not (ours and bool((at_max.any(-1) | (qf == 0).all(-1)).all())):
+        return deq.reshape(out, k)
+    from qarl_jax.quant import aqt
+
+    x0 = (scale * np.float32(qmax)).astype(np.float32)
+    best, found = deq, np.zeros(scale.shape, bool)
+    for step in (0, -1, 1):
+        peak = (x0.view(np.int32) + np.int32(step)).view(np.float32)
+        cand = np.where(at_max, np.sign(qf) * peak[:, :, None], deq)
+        frozen = aqt.quantize(jax.numpy.asarray(cand.reshape(out, k).T), fmt, g)
+        q2 = _host(int_values(frozen)).T.astype(np.float32).reshape(out, groups, g)
+        s2 = _host(frozen.scales).T
+        ok = ~found & (s2.view(np.uint32) == scale.view(np.uint32)) & (q2 == qf).all(-1)
+        best = np.where(ok[:, :, None], cand, best)
+        found |= ok
+        if found.all():
+            break
+    return best.reshape(out, k)
 
 
 def open_compressed(ckpt: str | os.PathLike, names: set[str]) -> CompressedCheckpoint | None:
@@ -294,6 +365,7 @@ __all__ = [
     "Scheme",
     "check_exportable",
     "open_compressed",
+    "master",
     "pack_int32",
     "quantization_config",
     "save_compressed",

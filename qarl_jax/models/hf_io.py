@@ -191,6 +191,7 @@ _DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # fp8 weights of a compressed-tensors checkpoint
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,

@@ -3,7 +3,7 @@
 Run on the H200 (well under 3 minutes):   PYTHONUNBUFFERED=1 python benchmarks/gpu_kernels_check.py
 Run here first (CPU, interpret mode):     python benchmarks/gpu_kernels_check.py --small
 
-For every format (bf16, w8a8, w4a16, w4a8) and the grouped MoE kernel:
+For every format (bf16, w8a8, w4a16, w4a8, fp8) and the grouped MoE kernel:
   1. accuracy against ``reference_matmul`` (float64/int64); w8a8 also bit-exact against
      the int64 accumulator scaled in f32 as the kernel promises, y = (acc * s_x) * s_w;
   2. row-wise invariance: rows of M = 1/16/64/256 calls and of shuffled batches must be bitwise the
@@ -67,11 +67,10 @@ def accuracy(cfg) -> dict:
             np.float64,
         )
         ref = reference_matmul(xf, w)
-        xa = (
-            np.abs(xf)
-            if formats.ACT_BITS[fmt] is None
-            else np.abs(xf) + np.abs(xf).max(-1, keepdims=True) / 127
-        )
+        xa = np.abs(xf)
+        if formats.ACT_BITS[fmt] == 8:  # the activations the kernel multiplies: per-token quantized
+            xq, sx = formats.quantize_activations(x, fmt)
+            xa = np.abs(np.asarray(xq, np.float64) * np.asarray(sx, np.float64))
         bound = k * 2.0**-23 * (xa @ np.abs(np.asarray(formats.dequantize(w), np.float64))) + 1e-30
         r = {
             "max_abs_err": float(np.abs(y - ref).max()),

@@ -9,13 +9,14 @@ import the loop's logging and checkpointing.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import jax
 from jax.sharding import Mesh
 
 from qarl_jax import sharding
-from qarl_jax.config import Config, ModelConfig
+from qarl_jax.config import Config, ModelConfig, load_config, to_dict
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
@@ -60,6 +61,46 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
         path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
     )
     return model, params
+
+
+def is_hf_dir(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds a Hugging Face model's config.json."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
+
+
+def run_checkpoint(path: pathlib.Path) -> tuple[pathlib.Path, int | None] | None:
+    """(run directory, step or None for the newest) when ``path`` is a training run's directory or
+    one step of it (``RUN/checkpoints/23``); None for anything else."""
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        return path.parent.parent, int(path.name)
+    if (path / "checkpoints").is_dir() and (path / "config.json").is_file():
+        return path, None
+    return None
+
+
+def restore_policy(run_dir: pathlib.Path, step: int | None) -> tuple[Config, Qwen3ForCausalLM, dict, int]:
+    """The run's config, policy and master weights of checkpoint ``step`` (None: the newest
+    intact), restored (fingerprints checked) onto a mesh of every device JAX sees instead of the
+    run's (a run's weights are evaluated or exported on whatever machine is at hand); and the step."""
+    from qarl_jax.checkpoint import Checkpointer  # orbax, the optimizer: only tools reading runs need them
+    from qarl_jax.rl.train_step import Trainer
+
+    config = load_config(run_dir / "config.json")  # JSON is YAML
+    here = dataclasses.replace(config, mesh=sharding.MeshConfig())
+    mesh = sharding.make_mesh(here.mesh)
+    ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
+    with sharding.activate(mesh, here.mesh.rules):
+        model, params = build_policy(here, mesh)
+        trainer = Trainer(model, here.objective, here.train, here.optimizer, mesh, here.mesh.rules)
+        restored = ckpt.restore(trainer.init_state(params), step=step)
+    ckpt.close()
+    if restored is None:
+        raise CheckpointError(f"{run_dir}: the run has no checkpoint yet")
+    return here, model, restored.state.params, restored.step
 
 
 def check_model_files(model: ModelConfig) -> None:

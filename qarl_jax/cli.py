@@ -166,6 +166,20 @@ def add_json(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_multihost(parser: argparse.ArgumentParser) -> None:
+    """The multi-host flags (:func:`qarl_jax.distributed.maybe_initialize` reads them, else the
+    $JAX_* environment variables)."""
+    group = parser.add_argument_group("multi-host (jax.distributed; nothing to give on one host)")
+    group.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address, the same on every host"
+    )
+    group.add_argument("--num-processes", type=at_least(1), metavar="N", help="number of processes (hosts)")
+    group.add_argument("--process-id", type=at_least(0), metavar="I", help="this process's index, 0..N-1")
+    group.add_argument(
+        "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
+    )
+
+
 def plain(text: str) -> str:
     """A docstring paragraph as ``--help`` shows it: without reStructuredText markup
     (``x`` and :mod:`x` both read as x on a terminal)."""

@@ -102,6 +102,13 @@ def host_data(config: DataConfig) -> DataConfig:
     return dataclasses.replace(config, batch_size=config.batch_size // count)
 
 
+def local_mesh(mesh: Mesh) -> Mesh:
+    """``mesh``'s devices of this process, as a one-axis mesh (where a host's replica of the
+    weights is assembled before its move to the rollout engine: :func:`local_replica`)."""
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return Mesh(np.asarray(mine), ("local",))
+
+
 def local_replica(tree, global_mesh: Mesh, mesh: Mesh):
     """Arrays on ``global_mesh`` -> full copies replicated over the local ``mesh`` (collective: every
     process calls it, with the same tree); the tree as is on one process (the engine moves it)."""

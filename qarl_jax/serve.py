@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import pathlib
 import socket
@@ -59,48 +58,15 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
-def _is_hf_dir(path: pathlib.Path) -> bool:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
-
-
-def _run_and_step(path: pathlib.Path) -> tuple[pathlib.Path, int | None] | None:
-    """(run directory, step or None for the newest) when ``path`` is a run or one of its steps."""
-    if path.name.isdigit() and path.parent.name == "checkpoints":
-        return path.parent.parent, int(path.name)
-    if (path / "checkpoints").is_dir() and (path / "config.json").is_file():
-        return path, None
-    return None
-
-
 def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> int:
     """Write the policy of ``run_dir``'s checkpoint ``step`` (None: the newest intact) to ``out``
     as a Hugging Face directory; returns the step. The run's mesh is replaced by this host's devices."""
-    import dataclasses
-
-    from qarl_jax import sharding
-    from qarl_jax.build import build_policy, build_tokenizer
-    from qarl_jax.checkpoint import Checkpointer
-    from qarl_jax.config import load_config, to_dict
+    from qarl_jax.build import build_tokenizer, restore_policy
     from qarl_jax.models import save_pretrained
-    from qarl_jax.rl.train_step import Trainer
 
-    config = load_config(run_dir / "config.json")  # JSON is YAML
-    here = dataclasses.replace(config, mesh=sharding.MeshConfig())
-    mesh = sharding.make_mesh(here.mesh)
-    ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
-    with sharding.activate(mesh, here.mesh.rules):
-        model, params = build_policy(here, mesh)
-        trainer = Trainer(model, here.objective, here.train, here.optimizer, mesh, here.mesh.rules)
-        restored = ckpt.restore(trainer.init_state(params), step=step)
-    ckpt.close()
-    if restored is None:
-        raise CheckpointError(f"{run_dir}: the run has no checkpoint yet")
-    save_pretrained(out, model.config, restored.state.params, build_tokenizer(config))
-    return restored.step
+    config, model, params, step = restore_policy(run_dir, step)
+    save_pretrained(out, model.config, params, build_tokenizer(config))
+    return step
 
 
 def build_engine(args: argparse.Namespace, checkpoint: pathlib.Path):
@@ -164,9 +130,11 @@ def _serve(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.checkpoint)
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path}: no such file or directory")
+    from qarl_jax.build import is_hf_dir, run_checkpoint
+
     with contextlib.ExitStack() as stack:
-        if not _is_hf_dir(path):
-            run = _run_and_step(path)
+        if not is_hf_dir(path):
+            run = run_checkpoint(path)
             if run is None:
                 raise CheckpointError(
                     f"--checkpoint {path}: neither a Hugging Face model directory (config.json + "

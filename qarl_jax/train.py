@@ -326,13 +326,6 @@ def _check_batch_split(config: Config, mesh: Mesh) -> None:
         )
 
 
-def _local_mesh(mesh: Mesh) -> Mesh:
-    """The trainer's devices of this process, as a one-axis mesh (where a host's replica of the
-    weights is assembled before its move to the engine)."""
-    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    return Mesh(np.asarray(mine), ("local",))
-
-
 def _save(ckpt: Checkpointer, step: int, state, data, pending: deque[Produced] | None, seed: int) -> None:
     """A checkpoint after ``step`` steps; with asynchronous rollouts this process's data item holds
     the batches already rolled out for the next steps beside the iterator."""
@@ -356,7 +349,7 @@ def _restore_data(config: Config, data, saved: dict, where: str) -> deque[Produc
 
 def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
     mesh, engine_mesh = meshes  # the trainer's (global) and the rollout engine's (this process's)
-    place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=_local_mesh(mesh))
+    place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=distributed.local_mesh(mesh))
     k = config.rollout.async_steps
     with (
         sharding.activate(mesh, config.mesh.rules),

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qarl_jax.build import run_checkpoint
 from qarl_jax.checkpoint import Checkpointer, CheckpointError
 from qarl_jax.config import load_config
 from qarl_jax.main import main
@@ -197,10 +198,10 @@ def test_a_training_run_or_one_of_its_steps_exports_for_serving(straight, tmp_pa
     from qarl_jax import serve
 
     ref_dir, ref = straight
-    assert serve.export_run(*serve._run_and_step(ref_dir), tmp_path / "latest") == STEPS
+    assert serve.export_run(*run_checkpoint(ref_dir), tmp_path / "latest") == STEPS
     _, params, tokenizer = from_pretrained(tmp_path / "latest")
     jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
-    assert tokenizer is not None and serve._run_and_step(ref_dir / "checkpoints" / "2") == (ref_dir, 2)
+    assert tokenizer is not None and run_checkpoint(ref_dir / "checkpoints" / "2") == (ref_dir, 2)
 
 
 def test_rerun_of_a_finished_run_says_so_and_shows_its_final_metrics(straight, tmp_path, capsys):

@@ -20,7 +20,8 @@ from qarl_jax.errors import DataError
 log = logging.getLogger(__name__)
 
 
-def _parse_line(raw: bytes, origin: str) -> object:
+def parse_line(raw: bytes, origin: str) -> object:
+    """One line's JSON value, or a :class:`Rejected` saying why not (bad UTF-8, bad JSON)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -63,7 +64,7 @@ class JsonlSource:
                 if not raw.strip():
                     continue
                 origin = f"{self.path}:{line_no}"
-                row = _parse_line(raw, origin)
+                row = parse_line(raw, origin)
                 if not isinstance(row, Rejected):
                     row = make_record(row, prompt_key, answer_key, answer_format, origin)
                 if isinstance(row, Rejected) and hash_split == "test":

@@ -38,7 +38,7 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
-def _boxed_content(text: str, start: int) -> str | None:
+def boxed_content(text: str, start: int) -> str | None:
     """Text between the brace at ``start - 1`` and its match; None when unbalanced."""
     depth = 1
     for i in range(start, len(text)):
@@ -69,7 +69,7 @@ def extract_number(response: str) -> Fraction | None:
         return parse_number(numbers[-1]) if numbers else None
     anchor = last[0]
     if anchor.group().endswith("{"):
-        content = _boxed_content(response, anchor.end())
+        content = boxed_content(response, anchor.end())
         return None if content is None else _boxed_number(content)
     span = response[anchor.end() : anchor.end() + _SPAN_CHARS].split("\n", 1)[0]
     m = _NUMBER_RE.search(span.lstrip(" :*$\\"))

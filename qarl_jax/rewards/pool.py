@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from qarl_jax.errors import GraderError
+from qarl_jax.rewards.choice import grade_choice
 from qarl_jax.rewards.latex import GradeTimeout, grade_math
 from qarl_jax.rewards.numbers import grade_number
 
@@ -49,8 +50,9 @@ GRADERS: dict[str, GradeFn] = {
     "synthetic": _grade_synthetic,
     "gsm8k": _grade_synthetic,
     "math": grade_math,
+    "choice": grade_choice,
 }
-IN_PROCESS_KINDS = frozenset({"synthetic"})
+IN_PROCESS_KINDS = frozenset({"synthetic", "choice"})
 # one sample a worker grades before it reports ready: math-verify imports sympy on first use (seconds,
 # more on a loaded machine), which must not count against a real sample's time limit
 WARM_UP = {"math": ("\\boxed{1}", "1")}

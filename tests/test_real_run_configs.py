@@ -1,6 +1,6 @@
 """The shipped real-run configs (Qwen3-8B / Qwen3-30B-A3B on a v5p slice and on 8 GPUs, Qwen3-235B-A22B
-on a v5p-256) load, shard evenly on their stated mesh and fit their chips' HBM with 10% to spare,
-planned by shape alone (no weights)."""
+on a v5p-256, Qwen2.5-Math-1.5B / 7B on 8 GPUs) load, shard evenly on their stated mesh and fit their
+chips' HBM with 10% to spare, planned by shape alone (no weights)."""
 
 import pathlib
 
@@ -36,6 +36,9 @@ REAL_RUNS = {
     "qwen3_30b_a3b_16k_8gpu.yaml": ("h200", 30.5e9),
     # a frozen model larger than a chip: the rollout splits its experts over each host's 4 chips
     "qwen3_235b_a22b_v5p256.yaml": ("v5p", 235.1e9),
+    # the paper's Qwen2.5-Math rows (Qwen2ForCausalLM) on OpenR1-Math-46K
+    "qwen2.5_math_1.5b_8gpu.yaml": ("h200", 1.54e9),
+    "qwen2.5_math_7b_8gpu.yaml": ("h200", 7.62e9),
 }
 
 

@@ -23,10 +23,10 @@ def reference_rope(
     used instead of ``theta``'s."""
     d = x.shape[-1]
     if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     else:
-        inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        freq = jnp.asarray(inv_freq, jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * freq
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)

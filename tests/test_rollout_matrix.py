@@ -5,6 +5,11 @@ vocabulary and widths that are not powers of two, head sizes 24 and 48, w4 group
 cell here lost its bits before 971f68d for bf16 and the a8 formats (the engine's one-block program
 lacked the training forward's per-block barrier, and XLA dropped the activations' bf16 rounding).
 
+Two settings are left out: float32 compute on a tensor-parallel layout is refused
+(``layout.check_layout``: RoPE's cos/sin bits differ between XLA:CPU's one-block and blocked
+programs), and the replicated and expert layouts with float32 masters are the other tests' ground
+(``test_tools_check_alignment``, ``test_rollout_layout``).
+
 What each cell compares (8 fake CPU devices): the training forward (``policy_logprobs`` on the master
 weights, the trainer's mesh data=2 x fsdp=4, ``tensor_blocks`` = the layout's tensor degree) and
 the engine's arithmetic on its own layout (frozen weights quantized on the training mesh, moved by
@@ -58,12 +63,23 @@ SHAPES = {
         moe_intermediate_size=64,
     ),
 }
-LAYOUTS = {  # model -> the tensor-parallel rollout.mesh layouts it is checked on
-    "dense": {
+LAYOUTS = {  # model -> the rollout.mesh layouts it is checked on
+    "dense": {  # 4 kv heads; vocabulary 300
         "tensor2": layout.RolloutMesh(data=4, tensor=2),
         "tensor4": layout.RolloutMesh(data=2, tensor=4),
+        "tensor8": layout.RolloutMesh(data=1, tensor=8),  # kv heads on 2 devices each; vocab padded to 304
     },
-    "moe": {"tensor2-expert2": layout.RolloutMesh(data=2, tensor=2, expert=2)},
+    "moe": {  # 2 kv heads
+        "tensor2-expert2": layout.RolloutMesh(data=2, tensor=2, expert=2),
+        "tensor4-expert2": layout.RolloutMesh(data=1, tensor=4, expert=2),  # kv heads on 2 devices each
+    },
+}
+BF16_MASTERS = {  # bfloat16 master weights: the layouts without and with the most column blocks
+    "dense": {"replicated": layout.RolloutMesh(data=8), "tensor8": LAYOUTS["dense"]["tensor8"]},
+    "moe": {
+        "expert4": layout.RolloutMesh(data=2, expert=4),
+        "tensor4-expert2": LAYOUTS["moe"]["tensor4-expert2"],
+    },
 }
 FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
 GROUP = 64  # w4 groups: divide every K here (192, 320, 64), unlike the presets' 128
@@ -161,5 +177,13 @@ def mismatches(path, param_dtype: str, compute_dtype: str, fmt: str, layouts) ->
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", list(SHAPES))
 def test_tensor_layouts_give_the_training_bits_f32_masters_bf16_compute(checkpoints, kind, fmt):
-    """The configs' settings (f32 master weights, bf16 compute) on the tensor-parallel layouts."""
+    """The configs' settings (f32 master weights, bf16 compute) on the tensor-parallel layouts,
+    more devices than kv heads and a vocabulary the degree does not divide included."""
     assert mismatches(checkpoints[kind], "float32", "bfloat16", fmt, LAYOUTS[kind]) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_bf16_masters_keep_the_bits_replicated_and_tensor_parallel(checkpoints, kind):
+    """bfloat16 master weights (the frozen bf16 weights are then the masters themselves) with w8a8."""
+    assert mismatches(checkpoints[kind], "bfloat16", "bfloat16", "w8a8", BF16_MASTERS[kind]) == {}

@@ -91,8 +91,16 @@ BF16_MOE = preset("qwen3-moe-tiny", dtype="bfloat16")  # 4 heads, 2 kv heads, 8 
 
 
 def test_layouts_that_cannot_stay_bitwise_are_refused():
-    with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=4 does not divide the model's 2 kv heads"):
-        layout.check_layout(layout.RolloutMesh(data=2, tensor=4), BF16_MOE, 8)
+    # more devices than kv heads replicates them (tests/test_rollout_matrix.py); a degree that neither
+    # divides nor is a multiple of them cannot give each device whole kv heads or whole copies
+    assert layout.check_layout(layout.RolloutMesh(data=2, tensor=4), BF16_MOE, 8)["tensor"] == 4
+    odd = preset(
+        "qwen3-tiny", hidden_size=192, num_attention_heads=12, num_key_value_heads=4, dtype="bfloat16"
+    )
+    with pytest.raises(
+        ConfigError, match=r"rollout.mesh.tensor=6 and the model's 4 kv heads: one must divide"
+    ):
+        layout.check_layout(layout.RolloutMesh(data=1, tensor=6), odd, 6)
     with pytest.raises(ConfigError, match=r"needs model.compute_dtype=bfloat16 \(it is float32\)"):
         layout.check_layout(layout.RolloutMesh(data=4, tensor=2), preset("qwen3-tiny"), 8)
     with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=3 does not divide the model's 4 attention"):

@@ -161,12 +161,33 @@ class TransformerConfig:
                 f"TransformerConfig.tensor_blocks={self.tensor_blocks} must be >= 1 and divide the "
                 f"{self.num_attention_heads} attention heads (a block holds whole heads)"
             )
+        kv, t = self.num_key_value_heads, self.tensor_blocks
+        if kv % t and t % kv:
+            raise ValueError(
+                f"TransformerConfig.tensor_blocks={t} and the {kv} kv heads: one must divide the other "
+                "(a block holds whole kv heads, or one kv head is shared by whole blocks)"
+            )
 
     def column_blocks(self, projection: str) -> int:
         """The column blocks of ``projection`` (k_proj and v_proj: never narrower than a head)."""
         if projection in ("k_proj", "v_proj"):
             return min(self.tensor_blocks, self.num_key_value_heads)
         return self.tensor_blocks
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many column blocks share each kv head: ``tensor_blocks / num_key_value_heads`` when the
+        blocks outnumber the kv heads, else 1. Each block then attends with its own copy of its kv
+        head (the forward repeats k and v that many times), so a tensor-parallel engine of that
+        degree, whose devices hold one copy each (vLLM's kv-head replication), runs every block's
+        attention on the same shapes as the training forward."""
+        kv = self.num_key_value_heads
+        return self.tensor_blocks // kv if self.tensor_blocks > kv else 1
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """kv heads in the attention and the KV cache: ``num_key_value_heads`` times its replicas."""
+        return self.num_key_value_heads * self.kv_replicas
 
     @property
     def is_moe(self) -> bool:

@@ -49,7 +49,7 @@ class KVCache:
 
     @classmethod
     def init(cls, config: TransformerConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, batch, max_len, config.cache_kv_heads, config.head_dim)
         dtype = dtype or jnp.dtype(config.dtype)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -98,6 +98,8 @@ class Dense(nn.Module):
                 specs=(None, P(None, tp.axis)),
                 out_specs=P(*(None,) * (x.ndim - 2), tp.axis),
             )
+        if y.shape[-1] != self.features:  # an engine's lm_head padded to its degree (rollout.layout)
+            y = y[..., : self.features]
         return checkpoint_name(y, MATMUL_OUTPUT)
 
 
@@ -185,23 +187,24 @@ def _fused(fn, rows, weights, c: TransformerConfig, spec: quant.QuantSpec | None
     )
 
 
-def _column_specs(weights, tp: ops.TensorParallel | None) -> dict | None:
+def _column_specs(weights, tp: ops.TensorParallel | None, c: TransformerConfig) -> dict | None:
     """Per-device splits of a fused chain's weights: every projection kernel (float or frozen: values
-    and scales alike) by columns over the tensor axis, norm scales whole. None without ``tp``."""
+    and scales alike) by columns over the tensor axis, norm scales whole; k_proj and v_proj whole
+    when their heads are replicated (``c.kv_replicas`` > 1: each device computes its kv head's
+    block, see :func:`_pre_attention`). None without ``tp``."""
     if tp is None:
         return None
-    return {
-        k: (
-            P(None, tp.axis)
-            if k == "kernel"
-            else P(tp.axis)  # a bias follows its kernel's columns
-            if k == "bias"
-            else _column_specs(v, tp)
-            if isinstance(v, dict)
-            else P()
-        )
-        for k, v in weights.items()
-    }
+
+    def spec(name: str, v):
+        if isinstance(v, dict):
+            if name in ("k_proj", "v_proj") and c.kv_replicas > 1:
+                return jax.tree.map(lambda _: P(), v, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+            return {k: spec(k, x) for k, x in v.items()}
+        if name == "kernel":
+            return P(None, tp.axis)
+        return P(tp.axis) if name == "bias" else P()  # a bias follows its kernel's columns
+
+    return {k: spec(k, v) for k, v in weights.items()}
 
 
 def local_blocks(c: TransformerConfig, name: str, tp: ops.TensorParallel | None) -> int | None:
@@ -263,11 +266,26 @@ def _pre_attention(x, positions, w, c: TransformerConfig, spec: quant.QuantSpec 
         proj = lambda name: _biased(quant.dot(h, a[name]["kernel"], spec, "attention"), a[name].get("bias"))  # noqa: E731
         q, k, v = (proj(name).reshape(n, -1, d) for name in ("q_proj", "k_proj", "v_proj"))
         q, k = _rotate(q, a.get("q_norm"), positions, c), _rotate(k, a.get("k_norm"), positions, c)
-        return q, k, v
+        return q, _replicate_kv(k, c, tp), _replicate_kv(v, c, tp)
+    kv_tp = None if c.kv_replicas > 1 else tp  # replicated kv heads: every device has every block
     q = _heads(h, a["q_proj"], a.get("q_norm"), positions, c, spec, "q_proj", tp)
-    k = _heads(h, a["k_proj"], a.get("k_norm"), positions, c, spec, "k_proj", tp)
-    v = _dot(h, a["v_proj"]["kernel"], c, spec, "attention", "v_proj", tp)
-    return q, k, _biased(v, a["v_proj"].get("bias")).reshape(n, -1, d)
+    k = _heads(h, a["k_proj"], a.get("k_norm"), positions, c, spec, "k_proj", kv_tp)
+    v = _dot(h, a["v_proj"]["kernel"], c, spec, "attention", "v_proj", kv_tp)
+    v = _biased(v, a["v_proj"].get("bias")).reshape(n, -1, d)
+    return q, _replicate_kv(k, c, tp), _replicate_kv(v, c, tp)
+
+
+def _replicate_kv(x: jax.Array, c: TransformerConfig, tp: ops.TensorParallel | None) -> jax.Array:
+    """k or v [N, kv_heads, D] as the attention reads them: each kv head repeated ``c.kv_replicas``
+    times ([N, cache_kv_heads, D]); a tensor-parallel device keeps the copy of its block (device j:
+    head j // kv_replicas), having computed every kv block on the whole k/v weights, as the
+    training forward does (the same kernel calls, so the same bits)."""
+    r = c.kv_replicas
+    if r == 1:
+        return x
+    if tp is None:
+        return jnp.repeat(x, r, axis=1)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(tp.axis) // r, 1, axis=1)
 
 
 def _post_attention(attn, x, w, c: TransformerConfig, spec: quant.QuantSpec | None, dense_mlp: bool, tp=None):
@@ -406,7 +424,7 @@ class DecoderLayer(nn.Module):
             c,
             self.quant,
             "pre_attention",
-            weight_specs=_column_specs(pre, tp),
+            weight_specs=_column_specs(pre, tp, c),
             out_specs=None if tp is None else (heads, heads, heads),
         )
         q, k, v = (checkpoint_name(a, MATMUL_OUTPUT) for a in (q, k, v))
@@ -433,7 +451,7 @@ class DecoderLayer(nn.Module):
             self.quant,
             "post_attention",
             row_specs=None if tp is None else (P(None, tp.axis), None),
-            weight_specs=_column_specs(post, tp),
+            weight_specs=_column_specs(post, tp, c),
         )
         x = checkpoint_name(outs[0], MATMUL_OUTPUT)
         if not dense_mlp:

@@ -100,7 +100,8 @@ def dot(
     """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight.
 
     ``blocks`` (a column-blocked model, ``TransformerConfig.tensor_blocks`` > 1): the N columns as that
-    many equal blocks, each its own kernel call on its own materialised (x, weight slice) pair,
+    many equal blocks (the last padded with zero columns when they do not divide N, the padded
+    outputs dropped), each its own kernel call on its own materialised (x, weight slice) pair,
     concatenated: what a tensor-parallel device computes for the blocks it holds (quantization
     scales are per column, so slicing commutes with it). One block is such a call too: a device of
     a tensor-parallel engine holding one block runs the very program of one of the training
@@ -112,14 +113,14 @@ def dot(
     (``spec`` None)."""
     if blocks is not None and spec is not None:
         n = _columns(w)
-        if n % blocks:
-            raise ValueError(f"{kind} weight of {n} columns does not split into {blocks} blocks")
-        width = n // blocks
+        width = -(-n // blocks)  # a vocabulary the blocks do not divide: zero columns, cut off below
+        w = pad_columns(w, width * blocks)
         parts = []
         for i in range(blocks):
             xi, wi = lax.optimization_barrier((x, column_slice(w, i * width, width)))
             parts.append(dot(xi, wi, spec, kind))
-        return parts[0] if blocks == 1 else jnp.concatenate(parts, axis=-1)
+        y = parts[0] if blocks == 1 else jnp.concatenate(parts, axis=-1)
+        return y if y.shape[-1] == n else y[..., :n]
     if spec is None:
         wf = _float_weight(w)
         ct = jnp.result_type(x.dtype, wf.dtype)
@@ -134,6 +135,20 @@ def dot(
 
 def _columns(w: jax.Array | QuantizedWeight) -> int:
     return w.n if isinstance(w, QuantizedWeight) else w.shape[-1]
+
+
+def pad_columns(w: jax.Array | QuantizedWeight, n: int):
+    """``w`` with zero columns appended up to ``n`` columns; a frozen weight's pad has the scale 1
+    that a zero column quantizes to, so padding then quantizing and quantizing then padding give
+    the same weight (the rollout engine pads its frozen lm_head, the training forward its master)."""
+    extra = n - _columns(w)
+    if extra == 0:
+        return w
+    pad = lambda a, value=0: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)], constant_values=value)  # noqa: E731
+    if isinstance(w, QuantizedWeight):
+        scales = None if w.scales is None else pad(w.scales, 1)
+        return dataclasses.replace(w, values=pad(w.values), scales=scales)
+    return pad(w)
 
 
 def column_slice(w: jax.Array | QuantizedWeight, start: int, width: int):

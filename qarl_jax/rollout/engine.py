@@ -385,7 +385,7 @@ class RolloutEngine:
         """Bytes of the KV cache (K and V, [layers, slots, max_len, kv_heads, head_dim] in the compute
         dtype) on one device, sharded as :meth:`init_decode_state` places it."""
         c, m = self.config, self.model.config
-        shape: tuple[int, ...] = (m.num_hidden_layers, c.slots, c.max_len, m.num_key_value_heads, m.head_dim)
+        shape: tuple[int, ...] = (m.num_hidden_layers, c.slots, c.max_len, m.cache_kv_heads, m.head_dim)
         if self.mesh is not None:
             shape = self._cache_sharding(shape).shard_shape(shape)
         return 2 * int(np.prod(shape)) * jnp.dtype(m.dtype).itemsize

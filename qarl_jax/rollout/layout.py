@@ -37,7 +37,7 @@ from kernels_pallas import QuantizedWeight
 from qarl_jax import sharding
 from qarl_jax.errors import ConfigError
 from qarl_jax.models.config import TransformerConfig
-from qarl_jax.quant import QuantSpec, kind_of, quantize_params
+from qarl_jax.quant import QuantSpec, kind_of, pad_columns, quantize_params
 
 # The engine's logical rules: slots over data x expert; experts over expert; with a tensor axis,
 # the heads of the activations and of the KV cache over it (every projection's columns too, placed
@@ -110,22 +110,21 @@ def check_layout(layout: RolloutMesh, model: TransformerConfig, num_devices: int
     tensor = sizes["tensor"]
     if tensor > 1:
         kv = model.num_key_value_heads
-        widths = {
-            "attention heads": model.num_attention_heads,
-            "hidden size": model.hidden_size,
-            "vocabulary": model.vocab_size,
-        }
+        widths = {"attention heads": model.num_attention_heads, "hidden size": model.hidden_size}
         if any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers)):
             widths["intermediate size"] = model.intermediate_size
         for what, n in widths.items():
             if n % tensor:
                 raise ConfigError(f"rollout.mesh.tensor={tensor} does not divide the model's {n} {what}")
-        if kv % tensor:  # every device whole kv heads (repeating them changes the attention's sums)
-            raise ConfigError(f"rollout.mesh.tensor={tensor} does not divide the model's {kv} kv heads")
-        if model.dtype != "bfloat16":  # measured: f32 attention sums depend on the heads a device holds
+        if kv % tensor and tensor % kv:  # whole kv heads a device, or one kv head on whole devices
+            raise ConfigError(
+                f"rollout.mesh.tensor={tensor} and the model's {kv} kv heads: one must divide the other"
+            )
+        if model.dtype != "bfloat16":  # measured 2026-12-04 (docs/zero_mismatch.md#rollout-layouts)
             raise ConfigError(
                 f"rollout.mesh.tensor={tensor} needs model.compute_dtype=bfloat16 (it is {model.dtype}): "
-                "the f32 attention kernel's sums change with the number of heads per device"
+                "in f32, XLA:CPU computes RoPE's cos/sin with other bits in a one-block program than "
+                "in the training forward's blocked one"
             )
     return sizes
 
@@ -136,14 +135,18 @@ def frozen_shardings(
     """A NamedSharding for every leaf of the frozen tree ``frozen`` (arrays or shape structs): a
     parameter's logical axes under ``rules``; a QuantizedWeight's values and scales both take its
     kernel's axes (a packed or grouped K axis is never split by the engine's rules). A dimension
-    the mesh does not divide stays whole."""
+    the mesh does not divide stays whole; so do k_proj and v_proj when a kv head is shared by
+    several devices (``kv_replicas`` > 1: each device computes the blocks and keeps its head's)."""
     boxed = sharding.abstract_variables(model)["params"]
     logical = nn.get_partition_spec(boxed)
     tensor = mesh.shape.get("tensor", 1)
+    replicas = model.config.kv_replicas  # type: ignore[attr-defined]  # the causal LM's field
     by_columns = ("attention", "mlp", "lm_head")  # a tensor-parallel engine's column-split kinds
 
     def place(path, axes: PartitionSpec, leaf):
-        columns = tensor > 1 and kind_of(tuple(str(getattr(k, "key", k)) for k in path)) in by_columns
+        names = tuple(str(getattr(k, "key", k)) for k in path)
+        replicated_kv = replicas > 1 and ("k_proj" in names or "v_proj" in names)  # whole on every device
+        columns = tensor > 1 and kind_of(names) in by_columns and not replicated_kv
 
         def one(x):
             names = tuple(axes) + (None,) * (x.ndim - len(axes))
@@ -163,8 +166,22 @@ def frozen_shardings(
 
 def freeze(params, spec: QuantSpec, model: nn.Module):
     """The rollout's frozen weights of float master ``params``: ``quantize_params`` (AQT's freeze),
-    then :func:`compute_dtype_leaves`. Every place that hands weights to an engine calls this."""
-    return compute_dtype_leaves(quantize_params(params, spec), model)
+    then :func:`compute_dtype_leaves` and :func:`pad_vocabulary`. Every place that hands weights to
+    an engine calls this."""
+    return pad_vocabulary(compute_dtype_leaves(quantize_params(params, spec), model), model)
+
+
+def pad_vocabulary(frozen, model: nn.Module):
+    """``frozen`` with an untied lm_head padded with zero columns to a multiple of the tensor degree
+    (``tensor_blocks``), so a tensor-parallel engine splits it evenly (vLLM pads its vocabulary
+    too): the training forward pads its master the same way and computes the same blocks
+    (:func:`qarl_jax.quant.dot`), and the pad's logits are cut off before any softmax, sample,
+    log-prob or loss sees them (``Dense``)."""
+    c: TransformerConfig = model.config  # type: ignore[attr-defined]  # the causal LM's field
+    if "lm_head" not in frozen or c.vocab_size % c.tensor_blocks == 0:
+        return frozen
+    padded = -(-c.vocab_size // c.tensor_blocks) * c.tensor_blocks
+    return frozen | {"lm_head": {"kernel": pad_columns(frozen["lm_head"]["kernel"], padded)}}
 
 
 def compute_dtype_leaves(frozen, model: nn.Module):

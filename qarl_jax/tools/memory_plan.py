@@ -240,7 +240,7 @@ def plan(
     r, cb, pb = config.rollout, jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
     kv_spec = nn.logical_to_mesh_axes(KVCache.logical_axes, layout.ENGINE_RULES)
     assert kv_spec is not None  # logical names given: a PartitionSpec comes back
-    kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.num_key_value_heads, c.head_dim)
+    kv_shape = (c.num_hidden_layers, r.slots, r.max_len, c.cache_kv_heads, c.head_dim)
     notes = [
         f"KV cache: {d} does not split over {ax!r}: replicated"
         for d, ax in zip(kv_shape, kv_spec, strict=True)

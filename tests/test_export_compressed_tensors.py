@@ -158,6 +158,17 @@ def test_round_trip_freezes_to_the_same_bits(exports, kind, fmt):
     assert tokenizer.get_vocab_size() == config.vocab_size
 
 
+def test_scanned_layers_export_the_same_bytes(exports, tmp_path):
+    """A scanned model (layers stacked on a leading axis) loads the export and writes it back
+    byte for byte."""
+    _, spec, _, _, out = exports[("moe", "w4a16")]
+    model, params, tokenizer = from_pretrained(out, dtype="float32", scan_layers=True)
+    assert model.config.scan_layers
+    save_compressed(tmp_path, model.config, freeze(params, spec, model), spec, tokenizer)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("fmt", ["w4a16", "w8a8", "fp8"])
 def test_master_weights_give_the_scales_back(fmt):
     """Why :func:`master` nudges abs-max entries: ``q * s`` alone re-freezes to scales one ulp off

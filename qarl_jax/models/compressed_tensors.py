@@ -227,7 +227,9 @@ def save_compressed(
     write_safetensors(ckpt, _tensors(config, frozen, scheme, groups, ignore), max_shard_bytes)
     if not groups:
         raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
-    hf = config_to_hf(config) | {"quantization_config": quantization_config(spec, groups, ignore)}
+    hf = config_to_hf(config)
+    hf.pop("quantization_config", None)  # one carried from a compressed starting checkpoint goes last
+    hf["quantization_config"] = quantization_config(spec, groups, ignore)
     (ckpt / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer is not None:
         tokenizer.save(str(ckpt / "tokenizer.json"))

@@ -20,6 +20,7 @@ from qarl_jax.config import load_config, to_dict
 from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rl.train_step import TrainState
+from qarl_jax.tools.export import export_checkpoint
 
 SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
 
@@ -65,6 +66,10 @@ def test_main_trains_and_exports(tmp_path, capsys):
     qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert qconfig["format"] == "pack-quantized" and (tmp_path / "ct" / "tokenizer.json").exists()
     assert jax.tree.structure(from_pretrained(tmp_path / "ct")[1]) == jax.tree.structure(params)
+    # the same export, after the run, from its checkpoint: the same bytes
+    assert export_checkpoint(tmp_path / "run" / "checkpoints" / "1", tmp_path / "ct2") == 1
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "ct2" / name).read_bytes() == (tmp_path / "ct" / name).read_bytes(), name
 
 
 def test_main_imports_no_heavy_optional_framework():

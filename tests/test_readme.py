@@ -27,9 +27,9 @@ SCRIPTS = sorted(set(re.findall(r"python3? (benchmarks/\w+\.py)", TEXT)))
 CONFIGS = sorted(set(re.findall(r"configs/[\w.{},]+\.yaml", TEXT)))
 # (the page, a relative link target on it)
 LINKS = sorted({(p, t) for p in PAGES for t in re.findall(r"\]\(((?!https?://)[^)#\s]+)", p.read_text())})
-# every module a user runs with python -m: those with a __main__ block
+# every module a user runs with python -m: those with a __main__ block (a package: its __main__.py)
 CLIS = sorted(
-    ".".join(path.relative_to(REPO).with_suffix("").parts)
+    ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__main__")
     for path in (REPO / "qarl_jax").rglob("*.py")
     if re.search(r'^if __name__ == "__main__":', path.read_text(), re.M)
 )

@@ -152,9 +152,9 @@ def test_missing_weights(good_ckpt):
 
 def test_unknown_architecture(good_ckpt):
     cfg = json.loads((good_ckpt / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = ["MistralForCausalLM"]
     (good_ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*MistralForCausalLM"):
         from_pretrained(good_ckpt)
 
 

@@ -1,0 +1,329 @@
+"""``python -m qarl_jax.evaluate`` on the shipped tiny policy and benchmark files generated here
+(arithmetic problems with known answers, in the MATH-500, AIME, GSM8K and ARC layouts).
+
+Checked: every figure equals the one computed here by hand from the samples the JSON records
+(re-graded here too); a run directory and its exported Hugging Face copy give the same table,
+figures and samples; so do 8 devices (in process) and 1 device (a subprocess); malformed rows are
+counted and named; every bad input is one line and its exit code. And the estimators, the
+multiple-choice grader and the layouts by hand."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from qarl_jax import sharding
+from qarl_jax.build import build_policy
+from qarl_jax.checkpoint import Checkpointer
+from qarl_jax.config import load_config, to_dict
+from qarl_jax.data.config import SyntheticConfig
+from qarl_jax.data.synthetic import SyntheticArithmetic
+from qarl_jax.errors import ConfigError, DataError
+from qarl_jax.evaluate.benchmarks import parse_spec, read_benchmark
+from qarl_jax.evaluate.command import main
+from qarl_jax.evaluate.metrics import majority, pass_at_k
+from qarl_jax.evaluate.run import variants
+from qarl_jax.rewards import extract_choice, grade_choice, grade_math, grade_number
+from qarl_jax.rl.train_step import Trainer
+
+REPO = pathlib.Path(__file__).parents[1]
+SMOKE = REPO / "configs" / "loop_smoke.yaml"
+K = 4
+SAMPLED = [
+    "--k",
+    str(K),
+    "--temperature",
+    "1.0",
+    "--pass-k",
+    "1,2,4",
+    "--max-tokens",
+    "24",
+    "rollout.slots=16",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(module_compilation_cache):
+    """The run and its export compile the same programs: they share them through the cache."""
+
+
+def problems(n: int) -> list[dict]:
+    source = SyntheticArithmetic(SyntheticConfig(digits=1, steps=2), seed=5, split="test")
+    return [source[i] for i in range(n)]
+
+
+def write_benches(where: pathlib.Path) -> list[str]:
+    """24 items per layout; the MATH-500 file also holds two malformed rows."""
+    rows = problems(24)
+    rng = np.random.default_rng(0)
+    files = {
+        "math500": [{"problem": r["prompt"], "answer": r["answer"]} for r in rows],
+        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows[:12]],
+        "gsm8k": [{"question": r["prompt"], "answer": r["solution"]} for r in rows],
+        "arc": [],
+    }
+    for r in rows:
+        value = int(r["answer"])
+        options, order = [value, value + 1, value - 2, value + 3], rng.permutation(4)
+        files["arc"].append(
+            {
+                "question": r["prompt"],
+                "choices": {"text": [str(options[i]) for i in order], "label": ["1", "2", "3", "4"]},
+                "answerKey": str(int(np.flatnonzero(order == 0)[0]) + 1),
+            }
+        )
+    for name, lines in files.items():
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        if name == "math500":
+            text += '{"problem": "1+1"}\nnot json\n'
+        (where / f"{name}.jsonl").write_text(text)
+    return [f"{where}/math500.jsonl:math500", f"{where}/aime.jsonl:aime", f"{where}/gsm8k.jsonl:gsm8k"] + [
+        f"{where}/arc.jsonl:arc"
+    ]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """A run directory (what the loop writes: config.json and an orbax checkpoint of the train
+    state, here of the shipped policy's weights scaled by 1.02, so they are not the shipped ones)
+    and its Hugging Face export (``serve.export_run``: what ``--export-hf`` writes)."""
+    from qarl_jax import serve
+
+    root = tmp_path_factory.mktemp("evaluate")
+    run = root / "run"
+    config = load_config(SMOKE, [f"run.output_dir={run}"])
+    mesh = sharding.make_mesh(config.mesh)
+    with sharding.activate(mesh, config.mesh.rules):
+        model, params = build_policy(config, mesh)
+        params = jax.tree.map(lambda x: x * 1.02, params)
+        trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
+        state = trainer.init_state(params)
+    ckpt = Checkpointer(run / "checkpoints", config.run.keep, to_dict(config))
+    ckpt.save(3, state, {}, seed=config.seed)
+    ckpt.close()
+    (run / "config.json").write_text(json.dumps(to_dict(config)))
+    assert serve.export_run(run, None, root / "hf") == 3
+    benches = root / "benches"
+    benches.mkdir()
+    return {"run": run, "hf": root / "hf", "specs": write_benches(benches), "root": root}
+
+
+def run_main(argv: list[str]) -> int:
+    """The command's exit code, also where argparse exits on a usage error."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+def evaluate(checkpoint: pathlib.Path, specs: list[str], out: pathlib.Path, capsys) -> tuple[str, dict]:
+    argv = ["--checkpoint", str(checkpoint), "--out", str(out), *SAMPLED]
+    assert main([*argv, *(a for s in specs for a in ("--bench", s))]) == 0
+    printed = capsys.readouterr().out
+    assert printed == (out / "eval.md").read_text()
+    return printed, json.loads((out / "eval.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run_report(checkpoints, tmp_path_factory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("run_eval")
+    argv = ["--checkpoint", str(checkpoints["run"]), "--out", str(out), *SAMPLED]
+    assert main([*argv, *(a for s in checkpoints["specs"] for a in ("--bench", s))]) == 0
+    return (out / "eval.md").read_text(), json.loads((out / "eval.json").read_text())
+
+
+def regrade(kind: str, response: str, reference: str) -> float:
+    if kind == "choice":
+        return float(extract_choice(response) == reference)
+    return grade_math(response, reference) if kind == "math" else grade_number(response, reference)
+
+
+def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
+    table, report = run_report
+    assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == 3
+    assert report["sampling"] == {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
+    (variant,) = report["results"]
+    assert variant == "w4a16 (deployed)"
+    by_hand_pass2 = {0: 0.0, 1: 1 - 3 / 6, 2: 1 - 1 / 6, 3: 1.0, 4: 1.0}  # 1 - C(4-c, 2) / C(4, 2)
+    averages = []
+    for name, info in report["benchmarks"].items():
+        records = report["samples"][variant][name]
+        assert [r["index"] for r in records] == list(range(info["items"]))
+        grades, n_correct, maj, tokens, truncated = [], [], [], [], []
+        for r in records:
+            assert len(r["samples"]) == K
+            g = [s["grade"] for s in r["samples"]]
+            assert g == [regrade(info["grader"], s["response"], r["reference"]) for s in r["samples"]]
+            grades += g
+            n_correct.append(sum(x == 1.0 for x in g))
+            votes = collections.Counter(s["answer"] for s in r["samples"] if s["answer"] is not None)
+            order = [s["answer"] for s in r["samples"]]
+            best = sorted(votes, key=lambda a: (-votes[a], order.index(a)))
+            maj.append(g[order.index(best[0])] if best else 0.0)
+            tokens += [s["tokens"] for s in r["samples"]]
+            truncated += [s["finish"] == "length" for s in r["samples"]]
+        figures = report["results"][variant][name]
+        assert figures["items"] == info["items"] and figures["samples"] == K
+        assert figures["pass@1"] == pytest.approx(sum(grades) / len(grades), abs=1e-12)
+        assert figures["pass@2"] == pytest.approx(np.mean([by_hand_pass2[c] for c in n_correct]), abs=1e-12)
+        assert figures["pass@4"] == pytest.approx(np.mean([c > 0 for c in n_correct]), abs=1e-12)
+        assert figures["maj@4"] == pytest.approx(np.mean(maj), abs=1e-12)
+        assert figures["mean_length"] == pytest.approx(np.mean(tokens), abs=1e-12)
+        assert figures["truncation_rate"] == pytest.approx(np.mean(truncated), abs=1e-12)
+        averages.append(100 * figures["pass@1"])
+    # the policy solves some arithmetic, not all (a test that cannot fail would not show it)
+    assert 0 < report["results"][variant]["math500"]["pass@1"] < 1
+    assert 0 < report["results"][variant]["gsm8k"]["pass@4"] <= 1
+    header, rule, row = table.splitlines()
+    assert header == "| pass@1 | math500 | aime | gsm8k | arc | avg |" and rule.count("---") == 6
+    cells = [f"{v:.1f}" for v in averages] + [f"{np.mean(averages):.1f}"]
+    assert row == f"| {variant} | " + " | ".join(cells) + " |"
+    # the two malformed rows: counted, named, not evaluated
+    math500 = report["benchmarks"]["math500"]
+    assert math500["items"] == 24 and math500["skipped"] == {"missing_field": 1, "bad_json": 1}
+    assert [r.split(": ")[1] for r in math500["skipped_rows"]] == ["missing_field", "bad_json"]
+    assert math500["skipped_rows"][0].split(": ")[0].endswith("math500.jsonl:25")
+
+
+def test_the_export_and_one_device_give_the_same_table_and_samples(run_report, checkpoints, tmp_path, capsys):
+    """The run's export in process (8 devices), then in a subprocess on 1 device."""
+    table, report = run_report
+    same = lambda r: (r["results"], r["samples"], r["benchmarks"])
+    hf_table, hf_report = evaluate(checkpoints["hf"], checkpoints["specs"], tmp_path / "hf", capsys)
+    assert hf_table == table and same(hf_report) == same(report)
+    assert hf_report["checkpoint"]["kind"] == "huggingface"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    argv = [sys.executable, "-m", "qarl_jax.evaluate", "--checkpoint", str(checkpoints["hf"])]
+    argv += [
+        "--out",
+        str(tmp_path / "one"),
+        *SAMPLED,
+        *(a for s in checkpoints["specs"] for a in ("--bench", s)),
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == table
+    assert same(json.loads((tmp_path / "one" / "eval.json").read_text())) == same(report)
+
+
+def test_bad_inputs_are_one_line(checkpoints, tmp_path, capsys):
+    math500 = checkpoints["specs"][0].split(":")[0]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"prompt": "1+1", "solution": "2"}\n')
+    cases = [
+        ([f"{math500}:nope"], 2, "unknown preset 'nope'"),
+        ([f"{math500}:math:colour=x"], 2, "'colour=x' is not FIELD=KEY"),
+        ([str(tmp_path / "missing.jsonl")], 4, "does not exist"),
+        ([str(empty)], 4, "no row has the fields preset 'math' reads"),
+        ([math500, "--k", "2"], 2, "greedy samples are all the same"),
+        ([math500, "--k", "2", "--temperature", "1", "--pass-k", "4"], 2, "pass@4 needs at least"),
+        ([math500, "--table", "pass@8"], 2, "'pass@8' is not a computed figure"),
+        ([math500, "--top-p", "1.5"], 2, "must be in (0, 1]"),
+        ([math500, "--checkpoint", str(tmp_path)], 3, "neither a Hugging Face model directory"),
+        ([math500, "model.param_dtype=bfloat16"], 2, "a run's model section describes its weights"),
+        ([math500, "--out", str(empty)], 5, "exists and is not a directory"),
+    ]
+    for extra, code, message in cases:
+        bench, *rest = extra
+        argv = [
+            "--checkpoint",
+            str(checkpoints["run"]),
+            "--out",
+            str(tmp_path / "o"),
+            "--bench",
+            bench,
+            *rest,
+        ]
+        assert run_main(argv) == code, (extra, capsys.readouterr().err)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message in err[-1] and "Traceback" not in "".join(err), (extra, err)
+    assert run_main(["--bench", math500, "--out", str(tmp_path)]) == 2  # --checkpoint is required
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_pass_at_k_and_majority_by_hand():
+    assert pass_at_k(4, 1, 2) == 0.5  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is c / n
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 6, 3) == 1.0
+    assert pass_at_k(16, 4, 4) == pytest.approx(1 - math.comb(12, 4) / math.comb(16, 4))
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+    assert majority(["1", "2", "2", None], [1.0, 0.0, 0.0, 0.0]) == 0.0  # "2" has two votes
+    assert majority(["3", "4", "4", "3"], [1.0, 0.0, 0.0, 1.0]) == 1.0  # a tie: the first given wins
+    assert majority([None, "5", None, None], [0.0, 1.0, 0.0, 0.0]) == 1.0  # no answer never wins
+    assert majority([None, None], [0.0, 0.0]) == 0.0
+
+
+def test_multiple_choice_grader():
+    chosen = {
+        "so \\boxed{B}": "B",
+        "\\boxed{(C)} since": "C",
+        "\\boxed{\\text{D}}": "D",
+        "The answer is (A).": "A",
+        "answer: J because": "J",
+        "I think so.\nB": "B",
+        "(E)": "E",
+        "I think it is 4": None,  # a letter in a word is no choice
+        "the answer is Bob": None,
+        "\\boxed{K}": None,  # not among A-J
+        "": None,
+    }
+    for response, letter in chosen.items():
+        assert extract_choice(response) == letter, response
+    assert grade_choice("The answer is (B)", "B") == 1.0 and grade_choice("\\boxed{A}", "B") == 0.0
+
+
+def test_layouts(tmp_path):
+    path = tmp_path / "b.jsonl"
+    rows = [
+        {"question": "Q1", "options": ["a", "b", "c"], "answer": "C"},  # MMLU-Pro: a letter
+        {"question": "Q2", "options": ["a", "b"], "answer": 1},  # an index
+        {"question": "Q3", "choices": {"text": ["x", "y"], "label": ["1", "2"]}, "answerKey": "2"},  # ARC
+        {"question": "Q4", "options": ["a", "b"], "answer": "Z"},
+        {"question": "Q5", "options": ["a"], "answer": "A"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = read_benchmark(f"{path}:mmlu_pro")
+    assert [(i.answer, i.question.splitlines()[-1]) for i in bench.items] == [
+        ("C", "C. c"),
+        ("B", "B. b"),
+        ("B", "B. y"),
+    ]
+    assert bench.skipped == {"bad_answer": 1, "bad_choices": 1} and bench.kind == "choice"
+    assert bench.items[0].question == "Q1\n\nA. a\nB. b\nC. c"
+    gpqa = {"Question": "Q", "Correct Answer": "r", **{f"Incorrect Answer {i}": f"w{i}" for i in (1, 2, 3)}}
+    path.write_text(json.dumps(gpqa) + "\n" + json.dumps(gpqa | {"Question": "Other"}) + "\n")
+    items = read_benchmark(f"{path}:gpqa").items
+    assert items == read_benchmark(f"{path}:gpqa").items  # the same order every time
+    for item in items:
+        assert f"{item.answer}. r" in item.question.splitlines()
+    path.write_text('{"problem": "p", "final_answer": ["$\\\\frac{1}{2}$"]}\n{"q": "x", "sol": "#### 7"}\n')
+    assert [(i.question, i.answer) for i in read_benchmark(f"{path}:olympiadbench").items] == [
+        ("p", "$\\frac{1}{2}$")
+    ]
+    renamed = read_benchmark(f"{path}:gsm8k:question=q,answer=sol")
+    assert [(i.question, i.answer) for i in renamed.items] == [("x", "7")] and renamed.skipped == {
+        "missing_field": 1
+    }
+    with pytest.raises(DataError, match="b.jsonl:1: missing_field"):
+        read_benchmark(f"{path}:gsm8k:question=q,answer=sol", strict=True)
+    with pytest.raises(ConfigError, match="not multiple choice"):
+        parse_spec(f"{path}:math:choices=x")
+
+
+def test_weights_variants():
+    config = load_config(SMOKE)
+    assert list(variants(config, "both")) == ["w4a16 (deployed)", "bf16"]
+    assert variants(config, "bf16")["bf16"].fmt == "bf16"
+    bf16_run = load_config(SMOKE, ["quant.fmt=bf16"])
+    assert list(variants(bf16_run, "both")) == ["bf16 (deployed)"]

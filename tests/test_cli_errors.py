@@ -43,10 +43,10 @@ def bad_yaml(t: pathlib.Path) -> pathlib.Path:
     return f
 
 
-def llama(t: pathlib.Path) -> pathlib.Path:
-    d = t / "llama"
+def mistral(t: pathlib.Path) -> pathlib.Path:
+    d = t / "mistral"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 8}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "vocab_size": 8}))
     return d
 
 
@@ -131,9 +131,9 @@ CASES = {
     ),
     "main: unsupported architecture": (
         MAIN,
-        lambda t: ["--config", SMOKE, RUN(t), f"model.path={llama(t)}"],
+        lambda t: ["--config", SMOKE, RUN(t), f"model.path={mistral(t)}"],
         3,
-        ["LlamaForCausalLM"],
+        ["MistralForCausalLM"],
     ),
     "main: JSONL with no valid rows": (
         MAIN,
@@ -149,9 +149,9 @@ CASES = {
     ),
     "sft: unsupported architecture": (
         SFT,
-        lambda t: [f"output_dir={t}/sft", f"model.path={llama(t)}"],
+        lambda t: [f"output_dir={t}/sft", f"model.path={mistral(t)}"],
         3,
-        ["LlamaForCausalLM"],
+        ["MistralForCausalLM"],
     ),
     "sft: output_dir a file": (
         SFT,
@@ -171,9 +171,9 @@ CASES = {
     "check_alignment: malformed YAML": (ALIGN, lambda t: ["--config", str(bad_yaml(t))], 2, ["invalid YAML"]),
     "check_alignment: unsupported architecture": (
         ALIGN,
-        lambda t: [f"model.path={llama(t)}", "--json"],
+        lambda t: [f"model.path={mistral(t)}", "--json"],
         3,
-        ["LlamaForCausalLM"],
+        ["MistralForCausalLM"],
     ),
     "memory_plan: --hbm-gb 0": (
         PLAN,
@@ -299,9 +299,9 @@ CASES = {
     ),
     "regime: unsupported architecture": (
         REGIME,
-        lambda t: ["--out", f"{t}/r", "--lengths", "steps4", "--formats", "bf16", f"model.path={llama(t)}"],
+        lambda t: ["--out", f"{t}/r", "--lengths", "steps4", "--formats", "bf16", f"model.path={mistral(t)}"],
         3,
-        ["LlamaForCausalLM"],
+        ["MistralForCausalLM"],
     ),
 }
 

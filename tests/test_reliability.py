@@ -232,9 +232,9 @@ def test_dtype_objects_are_accepted(tmp_path):
 
 
 def _bad_model_dir(tmp_path):
-    d = tmp_path / "llama"
+    d = tmp_path / "mistral"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 8}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "vocab_size": 8}))
     return d
 
 
@@ -246,7 +246,7 @@ CASES = {  # name -> (overrides given tmp_path, exit code, words of the message)
     "unknown architecture": (
         lambda t: [f"model.path={_bad_model_dir(t)}"],
         3,
-        ["unsupported architecture", "LlamaForCausalLM"],
+        ["unsupported architecture", "MistralForCausalLM"],
     ),
     "model.path missing": (lambda t: [f"model.path={t}/nope"], 2, ["model.path", "no such directory"]),
     "negative seed": (lambda t: ["seed=-1"], 2, ["seed must be >= 0"]),

@@ -147,6 +147,7 @@ def regrade(kind: str, response: str, reference: str) -> float:
     return grade_math(response, reference) if kind == "math" else grade_number(response, reference)
 
 
+@pytest.mark.slow
 def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     table, report = run_report
     assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == 3
@@ -194,6 +195,7 @@ def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     assert math500["skipped_rows"][0].split(": ")[0].endswith("math500.jsonl:25")
 
 
+@pytest.mark.slow
 def test_the_export_and_one_device_give_the_same_table_and_samples(run_report, checkpoints, tmp_path, capsys):
     """The run's export in process (8 devices), then in a subprocess on 1 device."""
     table, report = run_report

@@ -31,7 +31,7 @@ def _word_tokenizer() -> Tokenizer:
     return tok
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "qwen2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "qwen2-tiny"])
 def test_export_import_round_trip_is_bitwise(tmp_path, name):
     config = preset(name)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))

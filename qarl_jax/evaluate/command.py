@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace, benches) -> dict:
     """The report: figures per weights variant and benchmark, the table, and every sample."""
+    from qarl_jax import distributed
     from qarl_jax.build import build_tokenizer
     from qarl_jax.config import to_dict
     from qarl_jax.evaluate import metrics
@@ -146,8 +147,11 @@ def _evaluate(args: argparse.Namespace, benches) -> dict:
     with Grader(r.num_workers, r.time_limit_s) as grader:
         for label, spec in variants(policy.config, args.weights).items():
             records = evaluate_variant(policy, spec, benches, prompts, sampling, tokenizer, grader, label)
-            grading[label] = grader.counts_since_last_call()
-            if warning := grader_warning({f"grader/{k}": v for k, v in grading[label].items()}):
+            # every process's grading (each graded its own share of the items), summed
+            counts = distributed.gather_json(grader.counts_since_last_call())
+            grading[label] = {k: sum(c[k] for c in counts) for k in counts[0]}
+            warning = grader_warning({f"grader/{k}": v for k, v in grading[label].items()})
+            if warning and distributed.is_primary():
                 print(f"qarl: {label}: {warning}", file=sys.stderr)
             samples[label] = records
             results[label] = {name: _figures(recs, args.pass_k) for name, recs in records.items()}

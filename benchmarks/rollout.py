@@ -4,7 +4,7 @@ CPU (default): a tiny Qwen3 (the 3.3M-param shape of the measurements' reference
 32, 64 new tokens, greedy, EOS ignored. The weights are exported with ``save_pretrained`` and loaded
 by transformers (PyTorch, KV cache on); both run in one process, one after the other, and the
 continuations are compared token for token (a difference only counts where the reference's top-2
-logits are more than 1e-4 apart). Our engine runs the bf16 (unquantized) format, w8a8 and w4a16.
+logits are more than 1e-4 apart). Our engine runs the bf16 (unquantized) format, w8a8, w4a16 and fp8.
 
 ``--gpu-shape``: a Qwen3-1.7B-shaped model with random weights (bf16, lm_head unquantized), prompt
 128, 256 new tokens, batch 16/64/256, per format, within ``--budget-s``; imports only jax, numpy,
@@ -48,7 +48,7 @@ CPU_SHAPE = dict(
     max_position_embeddings=1024,
 )
 GPU_SHAPE = {k: getattr(PRESETS["qwen3-1.7b"], k) for k in CPU_SHAPE}  # the same fields, Qwen3-1.7B
-FORMATS = ("bf16", "w8a8", "w4a16")
+FORMATS = ("bf16", "w8a8", "w4a16", "fp8")
 NAIVE_FORMATS = ("bf16", "w4a16")  # also run on XLA's own ops (backend "xla"), as the naive program
 TIE_GAP = 1e-4
 

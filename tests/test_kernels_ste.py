@@ -101,4 +101,4 @@ def test_ste_errors():
     with pytest.raises(ValueError, match=r"w_master must be \[E, K, N\]"):
         kp.grouped_matmul_ste(jnp.ones((2, K)), jnp.ones((K, N)), jnp.ones(E, jnp.int32), "w8a8")
     with pytest.raises(ValueError, match="unknown quantization format"):
-        kp.quantized_matmul_ste(jnp.ones((2, K)), jnp.ones((K, N)), "fp8")
+        kp.quantized_matmul_ste(jnp.ones((2, K)), jnp.ones((K, N)), "fp4")

@@ -8,6 +8,8 @@ only ever mixes values within a token, so it can run as ONE block program over f
 tokens. Every row still runs the same fixed-shape program whatever M, its neighbours or the
 program around it (the argument of :mod:`kernels_pallas._rowblocks`, now for the whole chain), so
 rollout == training bitwise as long as both run the same chain with the same ``block_rows``.
+One kernel stays a loop of its own, nested in the chain's block: RoPE (f32 cos / sin and products
+took other bits in a one-column-block chain than in a chain of several; see its CPU kernel).
 
 Other backends run ``fn`` on all rows at once: each GPU/TPU kernel is invariant by itself. They
 share the custom VJP below, which keeps ``prepare`` out of the differentiated program.

@@ -101,8 +101,8 @@ def test_layouts_that_cannot_stay_bitwise_are_refused():
         ConfigError, match=r"rollout.mesh.tensor=6 and the model's 4 kv heads: one must divide"
     ):
         layout.check_layout(layout.RolloutMesh(data=1, tensor=6), odd, 6)
-    with pytest.raises(ConfigError, match=r"needs model.compute_dtype=bfloat16 \(it is float32\)"):
-        layout.check_layout(layout.RolloutMesh(data=4, tensor=2), preset("qwen3-tiny"), 8)
+    # f32 compute is a tensor layout like any other (bitwise: tests/test_rollout_matrix.py)
+    assert layout.check_layout(layout.RolloutMesh(data=4, tensor=2), preset("qwen3-tiny"), 8)["tensor"] == 2
     with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=3 does not divide the model's 4 attention"):
         layout.check_layout(layout.RolloutMesh(data=1, tensor=3), BF16_MOE, 3)
 

@@ -8,8 +8,9 @@ chunks of ``block_v`` columns with an online maximum, in ascending order, so a 1
 never needs a second full-width temporary.
 
 RoPE has no reduction, yet XLA:CPU computes its cos/sin and products with different bits in
-different fusion contexts (measured: a packed forward and a KV-cache prefill disagreed), so it is a
-fixed per-block program too.
+different fusion contexts (measured: a packed forward and a KV-cache prefill disagreed; a
+tensor-parallel engine's chain and the training forward's column-blocked one disagreed in f32), so
+it is a fixed per-block program too, and on CPU a loop of its own even inside a fused chain.
 
 Temperature: derived values are elementwise on top of one log-sum-exp of the tempered logits
 ``z = x * (1 / t)`` (``z - lse(z)``), so ``log_softmax(x, t)`` at the target and

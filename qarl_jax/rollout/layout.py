@@ -120,12 +120,6 @@ def check_layout(layout: RolloutMesh, model: TransformerConfig, num_devices: int
             raise ConfigError(
                 f"rollout.mesh.tensor={tensor} and the model's {kv} kv heads: one must divide the other"
             )
-        if model.dtype != "bfloat16":  # measured 2026-12-04 (docs/zero_mismatch.md#rollout-layouts)
-            raise ConfigError(
-                f"rollout.mesh.tensor={tensor} needs model.compute_dtype=bfloat16 (it is {model.dtype}): "
-                "in f32, XLA:CPU computes RoPE's cos/sin with other bits in a one-block program than "
-                "in the training forward's blocked one"
-            )
     return sizes
 
 

@@ -41,6 +41,11 @@ def fused_block() -> Iterator[None]:
         _FUSED.reset(token)
 
 
+def in_fused_block() -> bool:
+    """Whether a fused chain's block program is being traced (its rows: the chain's fixed block)."""
+    return _FUSED.get()
+
+
 def row_kernel(*, static_argnames: tuple[str, ...]) -> Callable[[Callable], Callable]:
     """``jax.jit`` a row-wise CPU kernel, except inside :func:`fused_block`: there it is traced
     inline (a cached jit trace would be the looped program, not the block program)."""

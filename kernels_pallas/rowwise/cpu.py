@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas._rowblocks import map_row_blocks, row_kernel
+from kernels_pallas._rowblocks import in_fused_block, map_row_blocks, row_kernel
 from kernels_pallas._tiling import pad_axis, round_up, rows_per_block
 from kernels_pallas.rowwise.common import lse_step
 from kernels_pallas.rowwise.reference import reference_rms_norm, reference_rope
@@ -45,7 +45,8 @@ def rope(
         return (reference_rope(xb, pb, theta, inv_freq),)
 
     out = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    rows = block_rows or rows_per_block(x.shape[1] * x.shape[2])
+    # nested in a chain: one block of the chain's rows (already a fixed size), no padding beyond it
+    rows = block_rows or (x.shape[0] if in_fused_block() else rows_per_block(x.shape[1] * x.shape[2]))
     return map_row_blocks(block, (x, positions), rows, (out,))[0]
 
 

@@ -25,6 +25,7 @@ Layout, one package per operation, each with the same modules::
     _rowblocks.py  the CPU path's one row-block loop
     fused.py       ``fused_rows``: a chain of row-wise kernels as one row-block program
     _triton.py / _mosaic.py  the GPU / TPU Pallas compiler settings
+    gpu_support.py the formats a GPU's compute capability runs (fp8 from 8.9), refused in one line
 
 Imports nothing but JAX (and numpy, which JAX requires); a backend's Pallas module is imported on
 its first call.

@@ -15,6 +15,7 @@ import pathlib
 import jax
 from jax.sharding import Mesh
 
+from kernels_pallas.gpu_support import check_gpu_format
 from qarl_jax import sharding
 from qarl_jax.config import Config, ModelConfig, load_config, to_dict
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
@@ -47,7 +48,12 @@ def architecture(config: Config) -> TransformerConfig:
 
 
 def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
-    """The policy model (with the run's quant spec) and its float master weights on ``mesh``."""
+    """The policy model (with the run's quant spec) and its float master weights on ``mesh``. A
+    format this host's GPU cannot run is refused here, before a checkpoint loads."""
+    try:
+        check_gpu_format(config.quant.fmt)
+    except ValueError as e:
+        raise ConfigError(f"quant.fmt: {e}") from None
     m = config.model
     model = Qwen3ForCausalLM(architecture(config), config.quant)
     if m.path is None:

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas._tiling import tiled
 from kernels_pallas._triton import compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight
+from kernels_pallas.gpu_support import check_gpu_format
 from kernels_pallas.grouped.common import group_tiles
 from kernels_pallas.matmul.common import channel_scaled, compute_dtype, finish, kernel_refs, operands
 from kernels_pallas.matmul.gpu import Tiling, accumulate, configure
@@ -69,6 +70,8 @@ def grouped_matmul(
     ``sum(group_sizes)`` come out zero. Block sizes as the dense kernel's (from (K, N) only)."""
     t = tiling
     fmt = w.fmt
+    if not interpret:  # the interpreter converts e4m3 anywhere
+        check_gpu_format(fmt)
     bm, bn = t.block_m, t.block_n
     m = x.shape[0]
     tiles = group_tiles(group_sizes, m, bm)

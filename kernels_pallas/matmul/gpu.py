@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, tiled
 from kernels_pallas._triton import MIN_TILE, compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
+from kernels_pallas.gpu_support import check_gpu_format
 from kernels_pallas.matmul.common import (
     acc_dtype,
     channel_scaled,
@@ -251,6 +252,8 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
     the same knobs for every M or the invariance is lost."""
     t = tiling
     fmt = w.fmt
+    if not interpret:  # the interpreter converts e4m3 anywhere
+        check_gpu_format(fmt)
     bm, bn, split = t.block_m, t.block_n, t.split_k
     m = x.shape[0]
     fused = split == 1

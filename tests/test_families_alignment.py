@@ -1,8 +1,11 @@
 """check_alignment on one device for the families beside Qwen3: a Qwen2 checkpoint (q/k/v biases,
 tied embeddings, an unused sliding_window as Qwen2.5's configs carry) and a Llama 3 one (llama3 RoPE
 scaling, untied), both random and saved by transformers. The rollout engine's log-probs must be the
-trainer's bit for bit in w4a16 and w8a8: the biases and the scaled frequencies run in the same fused
-per-token chains on both sides. One process per family runs both formats (one JAX start-up)."""
+trainer's bit for bit in w4a16 and w8a8 at temperature 1 and in w4a8 at 0.7 (logits / T, where T
+is a constant in the trainer's program and a per-row array in the engine's): the biases and the
+scaled frequencies run in the same fused per-token chains on both sides. One process per family
+runs every cell (one JAX start-up). Llama's fp8 and both families' tensor-parallel engines are
+test_rollout_matrix's."""
 
 from __future__ import annotations
 
@@ -49,13 +52,17 @@ SMALL = [
     "rollout.max_new_tokens=4",
     "rollout.slots=4",
 ]
-FORMATS = ("w4a16", "w8a8")
+# (format, temperature): dividing by 1 is exact whatever a compiler makes of it, by 0.7 is not
+CELLS = (("w4a16", 1.0), ("w8a8", 1.0), ("w4a8", 0.7))
 SCRIPT = """
 import sys
 from qarl_jax.tools.check_alignment import main
-path, formats, small = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
-for fmt in formats:
-    assert main([f"model.path={path}", f"quant.fmt={fmt}", *small, "--json"]) == 0, fmt
+path, cells, small = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+for cell in cells:
+    fmt, t = cell.split("@")
+    temps = [f"rollout.temperature={t}", f"train.temperature={t}"]
+    args = [f"model.path={path}", f"quant.fmt={fmt}", *temps, *small, "--json"]
+    assert main(args) == 0, cell
 """
 
 
@@ -65,7 +72,7 @@ def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
     shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(FORMATS), *SMALL],
+        [sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(f"{f}@{t}" for f, t in CELLS), *SMALL],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -74,7 +81,7 @@ def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["format"] for r in reports] == list(FORMATS)
+    assert [r["format"] for r in reports] == [f for f, _ in CELLS]
     for r in reports:
         assert r["mode"] == "aligned" and r["n_tokens"] >= 2 * 2
         assert r["frac_bitwise_equal"] == 1.0 and r["max_abs_logp_diff"] == 0.0, r

@@ -1,9 +1,9 @@
 """Every TPU program compiled by the real TPU compiler (XLA:TPU and Mosaic from libtpu) on this
 CPU host, for slices with no chip attached: the kernels x formats on two generations, and the
 tiny presets' whole run (old log-probs, the aligned update, prefill, decode step) on a v5p slice,
-every format, dense and MoE. Lowering alone accepted kernels that Mosaic rejects ("Bad lhs type"
-on every quantized matmul) and missed a gradient that does not trace for TPU: only the compiler
-says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
+every format, dense (Qwen3, Qwen2 and Llama 3) and MoE. Lowering alone accepted kernels that Mosaic
+rejects ("Bad lhs type" on every quantized matmul) and missed a gradient that does not trace for
+TPU: only the compiler says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
 
 from __future__ import annotations
 
@@ -97,10 +97,31 @@ def test_mosaic_kernels_needs_compiled_tpu_text():
     assert failure_line(ValueError("first\nsecond")) == "ValueError: first"
 
 
-# f32 master weights in both; the dense model computes in f32 (the default run: f32 dots at
-# HIGHEST in Mosaic), the MoE in bf16 (what real configs use: bf16 and int8 MXU dots)
-@pytest.mark.parametrize("name, compute", [("qwen3-tiny", "float32"), ("qwen3-moe-tiny", "bfloat16")])
-@pytest.mark.parametrize("fmt", FORMATS)
+# f32 master weights in all; the dense models compute in f32 (the default run: f32 dots at HIGHEST
+# in Mosaic), the MoE in bf16 (what real configs use: bf16 and int8 MXU dots). Every format runs
+# dense and MoE; what a dense family changes is format-independent code (Qwen2's q/k/v biases and no
+# q/k norms, Llama 3's llama3 RoPE frequencies), so two of the dense cells go to the new families,
+# each in the format its rows use (the Qwen2.5-Math configs' w4a16, the rollout matrix's Llama fp8),
+# and the suite keeps its 10 cells.
+DENSE = {
+    "bf16": "qwen3-tiny",
+    "w8a8": "qwen3-tiny",
+    "w4a8": "qwen3-tiny",
+    "w4a16": "qwen2-tiny",
+    "fp8": "llama-tiny",
+}
+CELLS = [(DENSE[f], "float32", f) for f in FORMATS] + [("qwen3-moe-tiny", "bfloat16", f) for f in FORMATS]
+
+
+def test_the_v5p_cells_cover_every_format_and_the_families_code():
+    assert sorted(DENSE) == sorted(FORMATS)
+    spec = {name: preset(name).spec for name in DENSE.values()}
+    assert spec["qwen2-tiny"].qkv_bias and not spec["qwen2-tiny"].qk_norm
+    assert preset("llama-tiny").rope_scaling is not None and not spec["llama-tiny"].qk_norm
+    assert spec["qwen3-tiny"].qk_norm and not spec["qwen3-tiny"].qkv_bias
+
+
+@pytest.mark.parametrize("name, compute, fmt", CELLS)
 def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update
     with its gradient through the Mosaic kernels included), and the decode step's quantized matmul
@@ -113,7 +134,7 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
             "model.path=null",
             f"model.preset={name}",
             f"model.compute_dtype={compute}",
-            f"model.num_hidden_layers={1 if name == 'qwen3-tiny' else 2}",
+            f"model.num_hidden_layers={2 if name == 'qwen3-moe-tiny' else 1}",
             f"quant.fmt={fmt}",
         ]
     )

@@ -19,5 +19,7 @@ run() {  # name, args...
 }
 run bf16-tensor2 model.path=$DIR/dense quant.fmt=bf16 rollout.mesh.data=4 rollout.mesh.tensor=2
 run w8a8-tensor2 model.path=$DIR/dense quant.fmt=w8a8 rollout.mesh.data=4 rollout.mesh.tensor=2
-run w4a16-tensor4 model.path=$DIR/dense quant.fmt=w4a16 rollout.mesh.data=2 rollout.mesh.tensor=4
+run w4a16-tensor2 model.path=$DIR/dense quant.fmt=w4a16 rollout.mesh.data=4 rollout.mesh.tensor=2
+# tensor 4 (the 2 kv heads replicated) is refused in f32 since 1e0df49; before, it gave (raw below):
+# w4a16 0.9921 (samples 64, 65), bf16 0.9955 (sample 64), w8a8 1.0
 run moe-w8a8-tensor2-expert2 model.path=$DIR/moe quant.fmt=w8a8 rollout.mesh.data=2 rollout.mesh.tensor=2 rollout.mesh.expert=2

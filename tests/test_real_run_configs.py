@@ -1,6 +1,7 @@
 """The shipped real-run configs (Qwen3-8B / Qwen3-30B-A3B on a v5p slice and on 8 GPUs, Qwen3-235B-A22B
-on a v5p-256, Qwen2.5-Math-1.5B / 7B on 8 GPUs) load, shard evenly on their stated mesh and fit their
-chips' HBM with 10% to spare, planned by shape alone (no weights)."""
+on a v5p-256, the paper's four rows on OpenR1-Math-46K on 8 GPUs and on a v5p slice) load, shard
+evenly on their stated mesh and fit their chips' HBM with 10% to spare, planned by shape alone (no
+weights)."""
 
 import pathlib
 
@@ -39,6 +40,13 @@ REAL_RUNS = {
     # the paper's Qwen2.5-Math rows (Qwen2ForCausalLM) on OpenR1-Math-46K
     "qwen2.5_math_1.5b_8gpu.yaml": ("h200", 1.54e9),
     "qwen2.5_math_7b_8gpu.yaml": ("h200", 7.62e9),
+    "qwen2.5_math_1.5b_v5p8.yaml": ("v5p", 1.54e9),
+    "qwen2.5_math_7b_v5p8.yaml": ("v5p", 7.62e9),
+    # the paper's Qwen3 Base rows (baselines GRPO / GSPO in the paper) on OpenR1-Math-46K
+    "qwen3_8b_base_math_8gpu.yaml": ("h200", 8.19e9),
+    "qwen3_8b_base_math_v5p16.yaml": ("v5p", 8.19e9),
+    "qwen3_30b_a3b_base_math_8gpu.yaml": ("h200", 30.5e9),
+    "qwen3_30b_a3b_base_math_v5p32.yaml": ("v5p", 30.5e9),
 }
 
 

@@ -1,13 +1,32 @@
 """Test set-up: 8 fake CPU devices (set before JAX is imported) so sharding tests run anywhere;
-the CLI's malloc tunables (:mod:`qarl_jax.heap`) for the processes started after this point (the
-pytest-xdist workers and the commands tests run)."""
+one persistent XLA compilation cache for the whole run; the CLI's malloc tunables
+(:mod:`qarl_jax.heap`) for the processes started after this point (the pytest-xdist workers and the
+commands tests run)."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+# One XLA compilation cache for the whole run, in a fresh directory (removed at the end by the
+# process that made it), shared by both pytest-xdist workers and every command a test starts
+# (``python -m qarl_jax.main`` keeps $JAX_COMPILATION_CACHE_DIR over run.compilation_cache_dir).
+# Why: the modules train, evaluate and export the same tiny models, in process and in subprocesses,
+# recompiling the same step, decode and eval programs; each is now compiled once per run. Every
+# program is stored (no minimum compile time). No size bound: with one, JAX reads every entry's
+# access time on each write (quadratic over a run's thousands of entries) to lock and evict; without
+# it, an entry the other worker is still writing reads as a corrupt one (its compressed bytes cut
+# short), which JAX warns about and compiles instead. A directory already given in the environment
+# is used as it is (and kept).
+OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qarl-tests-xla-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pathlib  # noqa: E402
 
@@ -54,24 +73,8 @@ def release_compiled_programs():
     gc.collect()
 
 
-@pytest.fixture(scope="module")
-def module_compilation_cache(tmp_path_factory):
-    """XLA's persistent cache for one module's runs (they recompile the same programs), in a
-    directory of its own, switched off again when the module ends (JAX initialises the cache once
-    per process: a module that merely set the directory would leave every later test writing it)."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    options = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax-cache")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    old = {name: getattr(jax.config, name) for name in options}
-    for name, value in options.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-    yield
-    for name, value in old.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the process that made it (the xdist workers inherit
+    its directory through the environment and leave it)."""
+    if OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

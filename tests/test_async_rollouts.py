@@ -36,11 +36,6 @@ def metrics_without_timing(run_dir) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """The runs here compile the same programs: later ones load them from the persistent cache."""
-
-
 @pytest.fixture(scope="module")
 def overlapped(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlapped")
@@ -73,7 +68,6 @@ def test_overlapped_run_equals_its_sequential_reference(overlapped, tmp_path):
 def test_sigkill_mid_run_then_rerun_resumes_exactly(overlapped, tmp_path):
     ref_dir, _ = overlapped
     cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *ASYNC]
-    cmd.append(f"run.compilation_cache_dir={jax.config.jax_compilation_cache_dir}")  # the module's programs
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

@@ -44,13 +44,6 @@ def metrics_without_timing(run_dir) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """The in-process runs here recompile the reference run's programs: they load them from the
-    persistent cache instead. The CLI runs of the SIGKILL test keep a cache of their own
-    (run.compilation_cache_dir, a fresh directory), which that test checks the killed run filled."""
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted reference run."""

@@ -51,11 +51,6 @@ SAMPLED = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """The run and its export compile the same programs: they share them through the cache."""
-
-
 def problems(n: int) -> list[dict]:
     source = SyntheticArithmetic(SyntheticConfig(digits=1, steps=2), seed=5, split="test")
     return [source[i] for i in range(n)]

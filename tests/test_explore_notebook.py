@@ -19,11 +19,6 @@ NOTEBOOK = REPO / "notebooks" / "explore_run.ipynb"
 SMOKE = REPO / "configs" / "loop_smoke.yaml"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """This module's runs recompile the same programs: they share them through the persistent cache."""
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> pathlib.Path:
     """A real run directory: the smoke config for 3 steps, evals at steps 0, 2 and 3."""

@@ -13,7 +13,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
@@ -23,11 +22,6 @@ from qarl_jax.rl.train_step import TrainState
 from qarl_jax.tools.export import export_checkpoint
 
 SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """This module's runs recompile the same programs: they share them through the persistent cache."""
 
 
 def test_main_trains_and_exports(tmp_path, capsys):

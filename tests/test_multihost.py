@@ -51,11 +51,6 @@ def without_time(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "grader/"))}  # host speed
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """This module's runs recompile the same programs: they share them through the persistent cache."""
-
-
 def launch(run: pathlib.Path, overrides: list[str], extra: list[str] = ()) -> list[dict]:
     """The CLI on two processes of two CPU devices each; their printed summaries."""
     port = free_port()

@@ -15,12 +15,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "replication"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """The arms share programs (the same rollout format, the bf16 eval of the master weights): each
-    later arm loads them from the persistent cache instead of compiling them again."""
-
-
 # the verdict's three arms: enough for the whole pipeline (runs, resume, summary, verdict, notebook);
 # the other two arms differ from these only in their overrides, checked without training below
 VERDICT_ARMS = ["bf16", "quantized-rollout", "qarl-tbpo"]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from qarl_jax.tools.check_alignment import KEYS, main
 
 SMALL = [
@@ -21,12 +19,6 @@ SMALL = [
     "rollout.max_new_tokens=8",
     "rollout.slots=4",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilations(module_compilation_cache):
-    """Every run builds a new engine and loss, so nothing is reused in memory; a persistent XLA cache
-    lets runs share identical programs (the naive run's rollout is the aligned run's)."""
 
 
 def check(capsys, *overrides: str) -> dict:

@@ -5,7 +5,6 @@ import pathlib
 import struct
 
 import numpy as np
-import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from qarl_jax import quant, sharding
@@ -34,12 +33,6 @@ def events(run_dir: pathlib.Path) -> list[Event]:
 
 def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
     return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(module_compilation_cache):
-    """Each test builds its own loop on the smoke config, recompiling programs an earlier test
-    compiled (the engine's decode, the update): they load them from the persistent cache."""
 
 
 def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):

@@ -109,6 +109,23 @@ def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
         np.testing.assert_array_equal(f32(ATTN(q[:, :, qs], k[:, :, kvs], v[:, :, kvs], pos)), rep[:, :, qs])
 
 
+@pytest.mark.parametrize("kv", [1, 2])
+def test_one_row_over_one_key_block(kv):
+    """One sequence whose keys fit in one key block, one query head per kv head, f32: the bits of the
+    same row beside others, prefilled and in a decode step (a tensor-parallel device holding one q
+    head, or an MHA model, prefilling one short prompt). A key array of one row and one block made
+    every key slice the whole array, which XLA:CPU compiled into other f32 dot code: these rows
+    differed (issue 37: f32 rollouts with kv heads replicated over tensor 4 lost the bits)."""
+    ks = jax.random.split(jax.random.key(8), 3)
+    t = 20  # < one block of keys (default_block_kv: 32)
+    q, k, v = (jax.random.normal(kk, (3, t, kv, D), jnp.float32) for kk in ks)
+    pos = jnp.broadcast_to(jnp.arange(t), (3, t))
+    full = np.asarray(ATTN(q, k, v, pos))
+    np.testing.assert_array_equal(np.asarray(ATTN(q[1:2], k[1:2], v[1:2], pos[1:2])), full[1:2])
+    step = ATTN(q[1:2, -1:], k[1:2], v[1:2], pos[1:2, -1:])
+    np.testing.assert_array_equal(np.asarray(step), full[1:2, -1:])
+
+
 def test_masked_keys_contribute_nothing():
     """Garbage (even huge values) in keys the query must not see leaves its bits unchanged."""
     q, k, v = qkv(1, 40, seed=3)

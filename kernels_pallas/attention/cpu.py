@@ -14,7 +14,11 @@ filled, not the whole cache. Two details keep it that way under XLA:CPU:
   block (measured: 6x the CPU time of this version for a 32-slot decode step over a 512-long cache);
 - the cache is padded (copied) only when a slice could run past its end: never for the KV-cache
   layout (``starts`` None) when its length is a multiple of ``block_kv``, always by one block for
-  packed rows (training, where the copy is small beside the forward).
+  packed rows (training, where the copy is small beside the forward); and a key axis of one block
+  gets a second (a copy of at most one block): with one row, every key slice of a one-block array
+  is the whole array, which XLA:CPU simplifies into another program (measured: with one query head
+  per kv head, f32 rows differed from the same rows beside others; a tensor-parallel engine
+  prefilling one short prompt per device lost the bits).
 
 Why the row arithmetic stays invariant: a row is one (token, kv head) pair, and every row block runs
 the same fixed-shape program (the per-block dots have shapes set by ``block_rows``, ``block_kv``,
@@ -48,8 +52,9 @@ def attention(
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     block_rows = block_rows or rows_per_block(block_kv * d * 2)
-    # a block holding a visible key starts below s: it ends within s_pad (see the module docstring)
-    s_pad = round_up(s, block_kv) if starts is None else s + block_kv
+    # a block holding a visible key starts below s: it ends within s_pad (see the module docstring);
+    # never one block: a key slice would then be the whole array (see the module docstring)
+    s_pad = max(round_up(s, block_kv) if starts is None else s + block_kv, 2 * block_kv)
     # no segments = one segment: the same program either way (a different body compiles differently)
     pos, st, q_seg, kv_seg = token_ids(positions, starts, segment_ids, kv_segment_ids, s, s_pad)
     k, v = pad_axis(k, 1, s_pad), pad_axis(v, 1, s_pad)

@@ -101,11 +101,11 @@ def test_layouts_that_cannot_stay_bitwise_are_refused():
         ConfigError, match=r"rollout.mesh.tensor=6 and the model's 4 kv heads: one must divide"
     ):
         layout.check_layout(layout.RolloutMesh(data=1, tensor=6), odd, 6)
-    # f32 compute: bitwise where the degree divides the kv heads (tests/test_rollout_matrix.py);
-    # replicating them is refused (a bf16 / w4a16 prompt in 64 lost the bits, cause not isolated)
+    # f32 compute too, where the degree divides the kv heads and where it replicates them
+    # (tests/test_rollout_matrix.py's f32 cells)
     assert layout.check_layout(layout.RolloutMesh(data=4, tensor=2), preset("qwen3-tiny"), 8)["tensor"] == 2
-    with pytest.raises(ConfigError, match=r"tensor=4 replicates the model's 2 kv heads, which needs model"):
-        layout.check_layout(layout.RolloutMesh(data=2, tensor=4), preset("qwen3-moe-tiny"), 8)
+    f32_moe = preset("qwen3-moe-tiny")  # 2 kv heads, float32 compute
+    assert layout.check_layout(layout.RolloutMesh(data=2, tensor=4), f32_moe, 8)["tensor"] == 4
     with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=3 does not divide the model's 4 attention"):
         layout.check_layout(layout.RolloutMesh(data=1, tensor=3), BF16_MOE, 3)
 

@@ -120,12 +120,6 @@ def check_layout(layout: RolloutMesh, model: TransformerConfig, num_devices: int
             raise ConfigError(
                 f"rollout.mesh.tensor={tensor} and the model's {kv} kv heads: one must divide the other"
             )
-        if tensor > kv and model.dtype != "bfloat16":  # measured 2026-12-04 (docs/zero_mismatch.md)
-            raise ConfigError(
-                f"rollout.mesh.tensor={tensor} replicates the model's {kv} kv heads, which needs "
-                f"model.compute_dtype=bfloat16 (it is {model.dtype}): in f32, bf16 and w4a16 rollouts "
-                "lost the bits on 2 sequences in 128 (a degree that divides the kv heads keeps them)"
-            )
     return sizes
 
 

@@ -20,6 +20,12 @@ run() {  # name, args...
 run bf16-tensor2 model.path=$DIR/dense quant.fmt=bf16 rollout.mesh.data=4 rollout.mesh.tensor=2
 run w8a8-tensor2 model.path=$DIR/dense quant.fmt=w8a8 rollout.mesh.data=4 rollout.mesh.tensor=2
 run w4a16-tensor2 model.path=$DIR/dense quant.fmt=w4a16 rollout.mesh.data=4 rollout.mesh.tensor=2
-# tensor 4 (the 2 kv heads replicated) is refused in f32 since 1e0df49; before, it gave (raw below):
-# w4a16 0.9921 (samples 64, 65), bf16 0.9955 (sample 64), w8a8 1.0
+# tensor 4 (the 2 kv heads replicated, one q head per device): refused in f32 from 1e0df49 until the
+# CPU attention's one-block fix (1455eac); before it: w4a16 0.9921 (samples 64, 65), bf16 0.9955
+# (sample 64), w8a8 1.0 (raw in f32_table.txt)
+for fmt in bf16 w4a16 w8a8 w4a8 fp8; do
+  run $fmt-tensor4 model.path=$DIR/dense quant.fmt=$fmt rollout.mesh.data=2 rollout.mesh.tensor=4
+done
 run moe-w8a8-tensor2-expert2 model.path=$DIR/moe quant.fmt=w8a8 rollout.mesh.data=2 rollout.mesh.tensor=2 rollout.mesh.expert=2
+# MoE with its 2 kv heads replicated (2026-12-05)
+run moe-w4a16-tensor4-expert2 model.path=$DIR/moe quant.fmt=w4a16 rollout.mesh.data=1 rollout.mesh.tensor=4 rollout.mesh.expert=2

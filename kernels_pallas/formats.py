@@ -44,6 +44,8 @@ VALUE_DTYPE = {"w8a8": jnp.int8, "w4a16": jnp.int8, "w4a8": jnp.int8, "fp8": jnp
 ACT_DTYPE = {"w8a8": jnp.int8, "w4a8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: fp8's quantization bound
 DEFAULT_GROUP_SIZE = 128
+# the smallest group size chosen by default: the GPU kernel's least (two 16-row Triton tiles)
+MIN_DEFAULT_GROUP_SIZE = 32
 
 
 @jax.tree_util.register_dataclass
@@ -77,8 +79,11 @@ def check_format(fmt: str) -> None:
 
 
 def resolve_group_size(fmt: str, k: int, group_size: int | None) -> int:
-    """Group size along K for ``fmt``: per channel (K) for 8-bit, ``group_size`` (default 128,
-    capped at K) for 4-bit. Raises on a K the format cannot hold."""
+    """Group size along K for ``fmt``: per channel (K) for 8-bit, ``group_size`` for 4-bit. The
+    4-bit default (``group_size`` None) is 128 where it divides K, all of K up to 128, else the
+    largest power of two from 32 to 128 that divides K (K=192: 64), so a model whose hidden size is
+    not a multiple of 128 still runs (every path resolves the same group size, the bits are kept).
+    Raises on a K the format cannot hold, in one line saying what to set."""
     check_format(fmt)
     bits = WEIGHT_BITS[fmt]
     if bits is None:
@@ -89,12 +94,31 @@ def resolve_group_size(fmt: str, k: int, group_size: int | None) -> int:
                 f"{fmt} uses one scale per output channel; got group_size={group_size} for K={k}"
             )
         return k
-    g = min(DEFAULT_GROUP_SIZE, k) if group_size is None else group_size
     if k % 2:
         raise ValueError(f"{fmt} packs two int4 values per byte along K; K={k} is odd")
+    g = default_group_size(fmt, k) if group_size is None else group_size
     if g <= 0 or g % 2 or k % g:
-        raise ValueError(f"{fmt}: K={k} is not a multiple of the group size {g} (which must be even)")
+        raise ValueError(
+            f"{fmt}: K={k} is not a multiple of the group size {g}: set an even group size that "
+            f"divides {k}, or a per-channel format (w8a8, fp8)"
+        )
     return g
+
+
+def default_group_size(fmt: str, k: int) -> int:
+    """The 4-bit group size when none is named (see :func:`resolve_group_size`); one line on a K
+    that no power of two from 32 up divides (an explicit even divisor of K still runs)."""
+    if k <= DEFAULT_GROUP_SIZE:
+        return k
+    g = DEFAULT_GROUP_SIZE
+    while g >= MIN_DEFAULT_GROUP_SIZE:
+        if k % g == 0:
+            return g
+        g //= 2
+    raise ValueError(
+        f"{fmt}: no power-of-two group size from {MIN_DEFAULT_GROUP_SIZE} to {DEFAULT_GROUP_SIZE} divides "
+        f"K={k}: set an even group size that divides {k}, or a per-channel format (w8a8, fp8)"
+    )
 
 
 def _to_e4m3(v: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ from qarl_jax.errors import CheckpointError, ConfigError, DataError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
 from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.quant import QuantSpec
 from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 
 EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
@@ -55,7 +56,9 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     except ValueError as e:
         raise ConfigError(f"quant.fmt: {e}") from None
     m = config.model
-    model = Qwen3ForCausalLM(architecture(config), config.quant)
+    arch = architecture(config)
+    quant_group_sizes(config.quant, arch)
+    model = Qwen3ForCausalLM(arch, config.quant)
     if m.path is None:
         return model, init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
     path = model_dir(m.path)
@@ -67,6 +70,16 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
         path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
     )
     return model, params
+
+
+def quant_group_sizes(spec: QuantSpec, arch: TransformerConfig) -> dict[str, int]:
+    """The int4 group size of each quantized projection of ``arch`` (empty for the other formats),
+    or a :class:`ConfigError` in one line naming the projection whose K the spec cannot take and
+    what to set: refused when the config is checked, not in a kernel's trace."""
+    try:
+        return spec.group_sizes(arch.projections())
+    except ValueError as e:
+        raise ConfigError(f"quant: {e}") from None
 
 
 def is_hf_dir(path: pathlib.Path) -> bool:

@@ -174,6 +174,20 @@ class TransformerConfig:
             return min(self.tensor_blocks, self.num_key_value_heads)
         return self.tensor_blocks
 
+    def projections(self) -> tuple[tuple[str, str, int], ...]:
+        """(layer kind, projection, K) of every matmul weight, K its input width: what a quantization
+        format's groups along K must divide (checked before any weight loads)."""
+        h, heads = self.hidden_size, self.num_attention_heads * self.head_dim
+        out = [("attention", p, h) for p in ("q_proj", "k_proj", "v_proj")] + [("attention", "o_proj", heads)]
+        if not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            out += [("mlp", "gate_proj", h), ("mlp", "up_proj", h)]
+            out += [("mlp", "down_proj", self.intermediate_size)]
+        if self.is_moe:
+            inter = self.moe_intermediate_size
+            out += [("router", "gate", h), ("experts", "experts gate_proj", h)]
+            out += [("experts", "experts up_proj", h), ("experts", "experts down_proj", inter)]
+        return (*out, ("lm_head", "lm_head", h))
+
     @property
     def kv_replicas(self) -> int:
         """How many column blocks share each kv head: ``tensor_blocks / num_key_value_heads`` when the

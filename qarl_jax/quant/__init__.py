@@ -12,214 +12,18 @@ path for alignment baselines and Hugging Face parity tests.
 
 ``quantize_params`` recognises kinds by path (see :func:`kind_of`). AQT is imported on the first
 quantized weight, so importing the model or the rollout engine does not need it.
+
+Modules:
+  spec.py    :class:`QuantSpec`, the layer kinds (``KINDS``) and the aligned / naive modes
+  matmul.py  :func:`dot`, :func:`grouped_dot`, and the column helpers of a column-blocked model
+  freeze.py  :func:`quantize_params` (the rollout's frozen weights) and :func:`kind_of`
+  aqt.py     the AQT quantizer whose integers and scales are ``kernels_pallas.quantize``'s
 """
 
-from __future__ import annotations
-
-import dataclasses
-
-import jax
-import jax.numpy as jnp
-from jax import lax
-
-from kernels_pallas import (
-    QuantizedWeight,
-    dequantize,
-    grouped_matmul,
-    grouped_matmul_ste,
-    quantize,
-    quantized_matmul,
-    quantized_matmul_ste,
-)
-from kernels_pallas.formats import Quantizer, check_format
-
-KINDS = ("attention", "mlp", "experts", "lm_head", "router", "embed")
-MODES = ("aligned", "naive")
-ATTENTION_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
-MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantSpec:
-    fmt: str = "bf16"  # bf16 | w8a8 | w4a16 | w4a8 | fp8
-    group_size: int | None = None  # None: format default (128 for int4, per channel for w8a8 / fp8)
-    quantized: tuple[str, ...] = ("attention", "mlp", "experts")  # the other kinds run the bf16 kernel
-    # aligned: the training forward runs these kernels on weights quantized on the fly (QaRL);
-    # naive: the rollout is quantized, the training forward is full precision (the paper's baseline)
-    mode: str = "aligned"
-
-    def __post_init__(self):
-        check_format(self.fmt)
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; expected one of {MODES}")
-        unknown = [k for k in self.quantized if k not in KINDS]
-        if unknown:
-            raise ValueError(
-                f"unknown layer kinds {unknown} in QuantSpec.quantized; expected some of {KINDS}"
-            )
-
-    def training_spec(self) -> QuantSpec | None:
-        """The spec of the training forward: this one when aligned, None (plain XLA matmuls on the
-        float master weights) when naive. The rollout always runs ``self``."""
-        return self if self.mode == "aligned" else None
-
-    def format_of(self, kind: str) -> tuple[str, int | None]:
-        """(format, group size) that layers of ``kind`` run in."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown layer kind {kind!r}; expected one of {KINDS}")
-        if kind in self.quantized and self.fmt != "bf16":
-            return self.fmt, self.group_size
-        return "bf16", None
-
-
-def _check_frozen(w: QuantizedWeight, fmt: str, kind: str) -> None:
-    if w.fmt != fmt:
-        raise ValueError(f"{kind} weight is frozen as {w.fmt!r} but the spec runs {kind} layers in {fmt!r}")
-
-
-def _weight_quantizer(fmt: str) -> Quantizer:
-    """AQT for the quantized formats; bf16 has nothing to quantize (the weight is the value)."""
-    if fmt == "bf16":
-        return quantize
-    from qarl_jax.quant import aqt
-
-    return aqt.quantize
-
-
-def _float_weight(w) -> jax.Array:
-    return dequantize(w) if isinstance(w, QuantizedWeight) else w
-
-
-def dot(
-    x: jax.Array,
-    w: jax.Array | QuantizedWeight,
-    spec: QuantSpec | None,
-    kind: str,
-    blocks: int | None = None,
-) -> jax.Array:
-    """x [..., K] @ w [K, N] for a layer of ``kind``; w a float master kernel or a frozen weight.
-
-    ``blocks`` (a column-blocked model, ``TransformerConfig.tensor_blocks`` > 1): the N columns as that
-    many equal blocks (the last padded with zero columns when they do not divide N, the padded
-    outputs dropped), each its own kernel call on its own materialised (x, weight slice) pair,
-    concatenated: what a tensor-parallel device computes for the blocks it holds (quantization
-    scales are per column, so slicing commutes with it). One block is such a call too: a device of
-    a tensor-parallel engine holding one block runs the very program of one of the training
-    forward's blocks. Why materialised (an optimization barrier): without it XLA may merge the dots
-    back into one, read the slice in place, or fuse x's producer into the kernel and drop x's
-    rounding to its dtype (XLA's excess precision: a bf16 value the kernel upcasts to f32 is then
-    the producer's unrounded f32), any of which changes the bits on one layout and not the other.
-    None: one plain call (a model that is not column-blocked). Ignored by the plain XLA path
-    (``spec`` None)."""
-    if blocks is not None and spec is not None:
-        n = _columns(w)
-        width = -(-n // blocks)  # a vocabulary the blocks do not divide: zero columns, cut off below
-        w = pad_columns(w, width * blocks)
-        parts = []
-        for i in range(blocks):
-            xi, wi = lax.optimization_barrier((x, column_slice(w, i * width, width)))
-            parts.append(dot(xi, wi, spec, kind))
-        y = parts[0] if blocks == 1 else jnp.concatenate(parts, axis=-1)
-        return y if y.shape[-1] == n else y[..., :n]
-    if spec is None:
-        wf = _float_weight(w)
-        ct = jnp.result_type(x.dtype, wf.dtype)
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        return lax.dot_general(x.astype(ct), wf.astype(ct), dims, precision=lax.Precision.HIGHEST)
-    fmt, group_size = spec.format_of(kind)
-    if isinstance(w, QuantizedWeight):
-        _check_frozen(w, fmt, kind)
-        return quantized_matmul(x, w)
-    return quantized_matmul_ste(x, w, fmt, group_size, quantizer=_weight_quantizer(fmt))
-
-
-def _columns(w: jax.Array | QuantizedWeight) -> int:
-    return w.n if isinstance(w, QuantizedWeight) else w.shape[-1]
-
-
-def pad_columns(w: jax.Array | QuantizedWeight, n: int):
-    """``w`` with zero columns appended up to ``n`` columns; a frozen weight's pad has the scale 1
-    that a zero column quantizes to, so padding then quantizing and quantizing then padding give
-    the same weight (the rollout engine pads its frozen lm_head, the training forward its master)."""
-    extra = n - _columns(w)
-    if extra == 0:
-        return w
-    pad = lambda a, value=0: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)], constant_values=value)  # noqa: E731
-    if isinstance(w, QuantizedWeight):
-        scales = None if w.scales is None else pad(w.scales, 1)
-        return dataclasses.replace(w, values=pad(w.values), scales=scales)
-    return pad(w)
-
-
-def column_slice(w: jax.Array | QuantizedWeight, start: int, width: int):
-    """Columns [start, start + width) of a float kernel or a frozen weight (values and scales)."""
-    cut = lambda a: lax.slice_in_dim(a, start, start + width, axis=a.ndim - 1)  # noqa: E731
-    if isinstance(w, QuantizedWeight):
-        return jax.tree.map(cut, w)
-    return cut(w)
-
-
-def grouped_dot(
-    x: jax.Array,
-    w: jax.Array | QuantizedWeight,
-    group_sizes: jax.Array,
-    spec: QuantSpec | None,
-    kind: str = "experts",
-) -> jax.Array:
-    """x [M, K] (rows sorted by expert) against w [E, K, N]; ``spec=None`` is ``lax.ragged_dot``."""
-    if spec is None:
-        wf = _float_weight(w)
-        ct = jnp.result_type(x.dtype, wf.dtype)
-        return lax.ragged_dot(x.astype(ct), wf.astype(ct), group_sizes, precision=lax.Precision.HIGHEST)
-    fmt, group_size = spec.format_of(kind)
-    if isinstance(w, QuantizedWeight):
-        _check_frozen(w, fmt, kind)
-        return grouped_matmul(x, w, group_sizes)
-    return grouped_matmul_ste(x, w, group_sizes, fmt, group_size, quantizer=_weight_quantizer(fmt))
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def kind_of(path: tuple[str, ...]) -> str | None:
-    """The layer kind of a parameter leaf, from its path of module/leaf names (None: not a matmul
-    weight). Rules: any leaf under an ``experts`` module -> experts; ``kernel`` under q/k/v/o_proj ->
-    attention, under gate/up/down_proj -> mlp, under lm_head -> lm_head, under ``gate`` or
-    ``router`` -> router. Embedding tables are never frozen (they are gathered)."""
-    if "experts" in path[:-1]:
-        return "experts"
-    if len(path) < 2 or path[-1] != "kernel":
-        return None
-    module = path[-2]
-    if module in ATTENTION_MODULES:
-        return "attention"
-    if module in MLP_MODULES:
-        return "mlp"
-    if module == "lm_head":
-        return "lm_head"
-    if module in ("gate", "router"):
-        return "router"
-    return None
-
-
-def quantize_params(params, spec: QuantSpec):
-    """Freeze for the rollout: AQT turns every float weight whose kind is quantized into a
-    QuantizedWeight (the integers the training forward computes on the fly); all other leaves are
-    returned as is."""
-
-    def freeze(path, leaf):
-        kind = kind_of(tuple(_key_name(k) for k in path))
-        if isinstance(leaf, QuantizedWeight) or kind is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf
-        fmt, group_size = spec.format_of(kind)
-        return leaf if fmt == "bf16" else _weight_quantizer(fmt)(leaf, fmt, group_size)
-
-    return jax.tree_util.tree_map_with_path(freeze, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
-
+from kernels_pallas import QuantizedWeight
+from qarl_jax.quant.freeze import kind_of, quantize_params
+from qarl_jax.quant.matmul import column_slice, dot, grouped_dot, pad_columns
+from qarl_jax.quant.spec import KINDS, MODES, QuantSpec
 
 __all__ = [
     "KINDS",
@@ -230,5 +34,6 @@ __all__ = [
     "grouped_dot",
     "kind_of",
     "column_slice",
+    "pad_columns",
     "quantize_params",
 ]

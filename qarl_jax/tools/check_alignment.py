@@ -23,6 +23,9 @@ Report (d = training log-prob - rollout log-prob of a sampled token, nats):
                         all but each sequence's last) routed to the same top-k experts, in the same
                         order, in every MoE layer; null for dense models
   format, mode          quant.fmt and quant.mode
+  group_sizes           4-bit formats: the int4 group size each quantized projection ran with (the
+                        default is chosen per K: 128, or the power of two that divides a K 128 does
+                        not, e.g. 64 for a hidden size of 192); null for the other formats
 ``--json`` prints these as one JSON object, the only thing on stdout (as ``--json`` does in every
 command).
 """
@@ -39,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qarl_jax import cli, sharding
-from qarl_jax.build import build_policy, build_tokenizer, engine_layout, eos_ids
+from qarl_jax.build import build_policy, build_tokenizer, engine_layout, eos_ids, quant_group_sizes
 from qarl_jax.config import Config, ConfigError, load_config
 from qarl_jax.rl.alignment import generated_logprobs, pack
 from qarl_jax.rl.batch import training_batch
@@ -57,6 +60,7 @@ KEYS = (
     "frac_same_experts",
     "format",
     "mode",
+    "group_sizes",
 )
 QUANTILES = (0, 1, 50, 99, 100)
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets")
@@ -218,7 +222,13 @@ def run(config: Config, progress: bool = True) -> dict:
     if rollout_routes is not None:
         pairs = zip(train_routes, rollout_routes, strict=True)
         same = float(np.mean(np.concatenate([np.all(t == r, axis=(1, 2)) for t, r in pairs])))
-    return report | {"frac_same_experts": same, "format": config.quant.fmt, "mode": config.quant.mode}
+    groups = quant_group_sizes(config.quant, model.config) or None
+    return report | {
+        "frac_same_experts": same,
+        "format": config.quant.fmt,
+        "mode": config.quant.mode,
+        "group_sizes": groups,
+    }
 
 
 def _layout_text(mesh: layout.RolloutMesh) -> str:
@@ -236,7 +246,10 @@ def _describe(config: Config, report: dict) -> str:
         f"training batches of {a.train_rows} rows, "
         f"{'packed' if a.packing else 'padded'}",
     ]
-    for key in KEYS[:-2]:
+    if report["group_sizes"]:
+        sizes = sorted(set(report["group_sizes"].values()), reverse=True)
+        lines.append(f"  int4 groups of {' / '.join(map(str, sizes))} rows: {report['group_sizes']}")
+    for key in KEYS[:-3]:
         value = report[key]
         if isinstance(value, dict):
             value = "  ".join(f"{k} {v:.6g}" for k, v in value.items())

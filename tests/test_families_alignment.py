@@ -4,8 +4,10 @@ scaling, untied), both random and saved by transformers. The rollout engine's lo
 trainer's bit for bit in w4a16 and w8a8 at temperature 1 and in w4a8 at 0.7 (logits / T, where T
 is a constant in the trainer's program and a per-row array in the engine's): the biases and the
 scaled frequencies run in the same fused per-token chains on both sides. One process per family
-runs every cell (one JAX start-up). Llama's fp8 and both families' tensor-parallel engines are
-test_rollout_matrix's."""
+runs every cell (one JAX start-up). A third Qwen2 checkpoint has a hidden size of 192 (6 heads of
+32, 2 kv heads, tied): 128 does not divide K, so w4a16 runs in the default groups chosen per K (64
+here, 128 for the down projection) with the bits kept. Llama's fp8 and both families'
+tensor-parallel engines are test_rollout_matrix's."""
 
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ MODELS = {
         Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=False, sliding_window=64),
         scale=0.05,
     ),
+    "qwen2-h192": lambda: random_model(
+        Qwen2ForCausalLM,
+        Qwen2Config(
+            **dict(COMMON, hidden_size=192, num_attention_heads=6, intermediate_size=512),
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        ),
+        scale=0.05,
+    ),
     "llama": lambda: random_model(
         LlamaForCausalLM,
         LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
@@ -54,6 +65,7 @@ SMALL = [
 ]
 # (format, temperature): dividing by 1 is exact whatever a compiler makes of it, by 0.7 is not
 CELLS = (("w4a16", 1.0), ("w8a8", 1.0), ("w4a8", 0.7))
+FAMILY_CELLS = {"qwen2-h192": (("w4a16", 1.0),)}  # the group size chosen per K is the point
 SCRIPT = """
 import sys
 from qarl_jax.tools.check_alignment import main
@@ -68,11 +80,12 @@ for cell in cells:
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
+    cells = FAMILY_CELLS.get(family, CELLS)
     MODELS[family]().save_pretrained(tmp_path)
     shutil.copy(TOKENIZER, tmp_path / "tokenizer.json")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(f"{f}@{t}" for f, t in CELLS), *SMALL],
+        [sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(f"{f}@{t}" for f, t in cells), *SMALL],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -81,7 +94,9 @@ def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["format"] for r in reports] == [f for f, _ in CELLS]
+    assert [r["format"] for r in reports] == [f for f, _ in cells]
     for r in reports:
         assert r["mode"] == "aligned" and r["n_tokens"] >= 2 * 2
         assert r["frac_bitwise_equal"] == 1.0 and r["max_abs_logp_diff"] == 0.0, r
+    if family == "qwen2-h192":
+        assert set(reports[0]["group_sizes"].values()) == {64, 128}, reports[0]["group_sizes"]

@@ -131,6 +131,8 @@ class TransformerConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd: RoPE rotates pairs of a head's lanes")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

@@ -6,7 +6,7 @@ Per step: a batch of prompts -> G samples each from the rollout engine (frozen q
 log-probs, minibatch updates on the float master weights) -> quantize once and hand the new frozen
 weights to the engine. Every step appends one flat metrics dict to ``metrics.jsonl`` in the run
 directory (and its numbers to TensorBoard event files in ``tb/``); held-out evals
-(:mod:`qarl_jax.evaluation`) run before the first step, every ``run.eval_every`` steps and after the
+(:mod:`qarl_jax.heldout_eval`) run before the first step, every ``run.eval_every`` steps and after the
 last; checkpoints every ``run.checkpoint_every`` steps and at the end.
 
 Every random stream is derived from ``(seed, step)`` (rollout keys, minibatch order) and the data
@@ -44,7 +44,7 @@ from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
 from qarl_jax.data import build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
-from qarl_jax.evaluation import Evaluator, score
+from qarl_jax.heldout_eval import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.progress import StepReport
 from qarl_jax.rewards import GRADER_COUNTS, Grader

@@ -16,8 +16,8 @@ import pytest
 
 from qarl_jax.config import load_config
 from qarl_jax.main import main
-from qarl_jax.rl.dapo import Groups
 from qarl_jax.rollout.driver import Sample
+from qarl_jax.rollout.groups import Groups
 from qarl_jax.rollout.overlap import PhaseClock, Produced, run_phases
 from qarl_jax.train import train
 

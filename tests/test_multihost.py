@@ -23,7 +23,7 @@ from qarl_jax import quant, sharding
 from qarl_jax.build import build_engine, build_policy, build_tokenizer, eval_set
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
-from qarl_jax.evaluation import Evaluator
+from qarl_jax.heldout_eval import Evaluator
 from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rewards import Grader

@@ -10,14 +10,15 @@ from qarl_jax.rl import dapo
 from qarl_jax.rl.advantages import group_advantages
 from qarl_jax.rl.batch import bucketed_length
 from qarl_jax.rollout.driver import Sample
+from qarl_jax.rollout.groups import Groups
 
 
-def groups(rewards, first_prompt=0, length=3) -> dapo.Groups:
+def groups(rewards, first_prompt=0, length=3) -> Groups:
     rewards = np.asarray(rewards, np.float32)
     prompts = [[first_prompt + p, 7] for p in range(len(rewards))]
     sample = lambda p, g: Sample(p, g, [5] * length, [-0.5] * length, [-0.5] * length, "policy", "eos")
     samples = [[sample(p, g) for g in range(rewards.shape[1])] for p in range(len(rewards))]
-    return dapo.Groups(prompts, samples, rewards, rewards)
+    return Groups(prompts, samples, rewards, rewards)
 
 
 def test_dynamic_sampling_refills_with_informative_groups_only():

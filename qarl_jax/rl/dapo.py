@@ -13,17 +13,13 @@ loss option, ``objective.overlong_filter``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qarl_jax.rl.advantages import informative_groups
 from qarl_jax.rl.batch import RolloutBatch, training_batch
-
-if TYPE_CHECKING:
-    from qarl_jax.rollout.driver import Sample
+from qarl_jax.rollout.groups import Groups
 
 
 def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
@@ -37,38 +33,6 @@ def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int, pena
         raise ValueError(f"the overlong buffer ({buffer}) must be in [0, max_new_tokens={max_new_tokens}]")
     excess = np.clip(lengths - (max_new_tokens - buffer), 0.0, None)
     return -penalty * np.minimum(excess, buffer) / buffer
-
-
-@dataclasses.dataclass
-class Groups:
-    """Prompt groups: ``prompts[p]`` (token ids), ``samples[p][g]``, the grader's ``scores``
-    [P, G] and the ``rewards`` [P, G] the advantages see (scores plus any length penalty)."""
-
-    prompts: list[list[int]]
-    samples: list[list[Sample]]
-    scores: np.ndarray
-    rewards: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def select(self, index: Sequence[int] | np.ndarray) -> Groups:
-        index = np.flatnonzero(index) if np.asarray(index).dtype == bool else np.asarray(index, int)
-        return Groups(
-            [self.prompts[i] for i in index],
-            [self.samples[i] for i in index],
-            self.scores[index],
-            self.rewards[index],
-        )
-
-    @staticmethod
-    def concat(parts: Sequence[Groups]) -> Groups:
-        return Groups(
-            [p for g in parts for p in g.prompts],
-            [s for g in parts for s in g.samples],
-            np.concatenate([g.scores for g in parts]),
-            np.concatenate([g.rewards for g in parts]),
-        )
 
 
 def dynamic_sampling(

@@ -31,8 +31,8 @@ import jax
 import numpy as np
 
 from qarl_jax.errors import ConfigError
-from qarl_jax.rl.dapo import Groups
 from qarl_jax.rollout.driver import Sample
+from qarl_jax.rollout.groups import Groups
 
 T = TypeVar("T")
 

@@ -39,15 +39,7 @@ from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, til
 from kernels_pallas._triton import MIN_TILE, compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
 from kernels_pallas.gpu_support import check_gpu_format
-from kernels_pallas.matmul.common import (
-    acc_dtype,
-    channel_scaled,
-    compute_dtype,
-    finish,
-    kernel_refs,
-    operands,
-    part_dtype,
-)
+from kernels_pallas.matmul import common
 from kernels_pallas.matmul.tuned import TUNED
 
 GPU_SMS = 132  # H200 / H100 SXM multiprocessors: the decode grid should cover them
@@ -171,7 +163,7 @@ def accumulate(
     4-bit, fp8) or int32 (w8a8) [block_m, block_n]."""
     bm, bn, bk, swap = tiling.block_m, tiling.block_n, tiling.block_k, tiling.swap_ab
     acc_shape = (bn, bm) if swap else (bm, bn)
-    part = part_dtype(fmt)
+    part = common.part_dtype(fmt)
     dot = functools.partial(_dot, acc=part, swap=swap, int_dot=tiling.int_dot)
 
     if WEIGHT_BITS[fmt] != 4:
@@ -226,9 +218,9 @@ def accumulate(
 
 def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused: bool):
     """One (row block, column block, K split) program; ``fused``: no split, apply the scales here."""
-    in_scales = WEIGHT_BITS[fmt] == 4 or (channel_scaled(fmt) and fused)
+    in_scales = WEIGHT_BITS[fmt] == 4 or (common.channel_scaled(fmt) and fused)
     in_sx = ACT_BITS[fmt] == 8 and fused
-    x_ref, w_ref, s_ref, sx_ref, (o_ref,) = kernel_refs(refs, in_scales, in_sx)
+    x_ref, w_ref, s_ref, sx_ref, (o_ref,) = common.kernel_refs(refs, in_scales, in_sx)
     acc = accumulate(
         lambda c, n: x_ref[:, pl.ds(c, n)],
         lambda r, n: w_ref[pl.ds(r, n), :],
@@ -240,8 +232,8 @@ def _kernel(*refs, fmt: str, k: int, group_size: int, tiling: Tiling, cdt, fused
         cdt=cdt,
     )
     if fused:
-        s_w = s_ref[...] if channel_scaled(fmt) else None
-        acc = finish(acc, fmt, s_w, sx_ref[...] if in_sx else None)
+        s_w = s_ref[...] if common.channel_scaled(fmt) else None
+        acc = common.finish(acc, fmt, s_w, sx_ref[...] if in_sx else None)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -257,14 +249,14 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
     bm, bn, split = t.block_m, t.block_n, t.split_k
     m = x.shape[0]
     fused = split == 1
-    ops = operands(x, w, block_m=bm, k_pad=t.k_pad, n_pad=t.n_pad)
+    ops = common.operands(x, w, block_m=bm, k_pad=t.k_pad, n_pad=t.n_pad)
     k_local = t.k_pad // split
     args = [ops.x, ops.w]
     in_specs = [
         pl.BlockSpec((bm, k_local), lambda i, j, s: (i, s)),
         pl.BlockSpec((ops.w.shape[0] // split, bn), lambda i, j, s: (s, j)),
     ]
-    if WEIGHT_BITS[fmt] == 4 or (channel_scaled(fmt) and fused):
+    if WEIGHT_BITS[fmt] == 4 or (common.channel_scaled(fmt) and fused):
         assert ops.scales is not None, f"{fmt} weights have scales"
         args.append(ops.scales)
         in_specs.append(pl.BlockSpec((ops.scales.shape[0] // split, bn), lambda i, j, s: (s, j)))
@@ -275,11 +267,11 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         out_shape = jax.ShapeDtypeStruct((ops.m_pad, t.n_pad), out_dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((split, ops.m_pad, t.n_pad), acc_dtype(fmt))
+        out_shape = jax.ShapeDtypeStruct((split, ops.m_pad, t.n_pad), common.acc_dtype(fmt))
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(
         _kernel, fmt=fmt, k=k_local, group_size=w.group_size, tiling=t,
-        cdt=compute_dtype(x.dtype, w), fused=fused,
+        cdt=common.compute_dtype(x.dtype, w), fused=fused,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
@@ -303,5 +295,5 @@ def combine_splits(parts, fmt: str, scales, sx, out_dtype, n: int) -> jax.Array:
     acc = parts[0]
     for s in range(1, parts.shape[0]):
         acc = acc + parts[s]
-    s_w = scales[:, :n] if channel_scaled(fmt) else None
-    return finish(acc, fmt, s_w, sx).astype(out_dtype)
+    s_w = scales[:, :n] if common.channel_scaled(fmt) else None
+    return common.finish(acc, fmt, s_w, sx).astype(out_dtype)

@@ -32,15 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import Blocks, round_up, tiled
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
-from kernels_pallas.matmul.common import (
-    acc_dtype,
-    channel_scaled,
-    compute_dtype,
-    finish,
-    kernel_refs,
-    operands,
-    part_dtype,
-)
+from kernels_pallas.matmul import common
 
 
 def tpu_blocks(fmt: str, k: int, n: int) -> Blocks:
@@ -58,7 +50,7 @@ def accumulate_step(x_ref, w_ref, s_ref, acc_ref, *, fmt: str, group_size: int, 
     if WEIGHT_BITS[fmt] != 4:
         acc_ref[...] += mxu_dot(x_ref[...].astype(cdt), w_ref[...].astype(cdt), acc_ref.dtype)
         return
-    part = part_dtype(fmt)
+    part = common.part_dtype(fmt)
     half = group_size // 2
     for g in range(step_k // group_size):
         p = w_ref[g * half : (g + 1) * half, :].astype(jnp.int32)
@@ -117,13 +109,13 @@ def k_step(x_ref, w_ref, s_ref, sx_ref, acc_ref, store, **cfg) -> None:
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
-        s_w = s_ref[...] if channel_scaled(cfg["fmt"]) else None
-        store(finish(acc_ref[...], cfg["fmt"], s_w, None if sx_ref is None else sx_ref[...]))
+        s_w = s_ref[...] if common.channel_scaled(cfg["fmt"]) else None
+        store(common.finish(acc_ref[...], cfg["fmt"], s_w, None if sx_ref is None else sx_ref[...]))
 
 
 def split_refs(refs, fmt: str) -> tuple:
     """A TPU matmul kernel's refs: x, w, scales (quantized formats), activation scales (a8)..."""
-    return kernel_refs(refs, WEIGHT_BITS[fmt] is not None, ACT_BITS[fmt] == 8)
+    return common.kernel_refs(refs, WEIGHT_BITS[fmt] is not None, ACT_BITS[fmt] == 8)
 
 
 def _kernel(*refs, **cfg):
@@ -145,7 +137,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
     bm = blocks.block_m
     m = x.shape[0]
     step_rows = step // 2 if WEIGHT_BITS[fmt] == 4 else step
-    ops = operands(x, w, block_m=bm, k_pad=k_pad, n_pad=n_pad)
+    ops = common.operands(x, w, block_m=bm, k_pad=k_pad, n_pad=n_pad)
     args = [ops.x, ops.w]
     in_specs = [
         pl.BlockSpec((bm, step), lambda i, j, kk: (i, kk)),
@@ -159,7 +151,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         args.append(ops.sx)
         in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
 
-    cdt = compute_dtype(x.dtype, w)
+    cdt = common.compute_dtype(x.dtype, w)
     out_shape = jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, group_size=w.group_size, step_k=step, cdt=cdt),
@@ -167,7 +159,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         grid=(ops.m_pad // bm, n_pad // bn, k_pad // step),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((bm, bn), acc_dtype(fmt))],
+        scratch_shapes=[pltpu.VMEM((bm, bn), common.acc_dtype(fmt))],
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, ARBITRARY),
         name=f"qarl_{fmt}_matmul_tpu",

@@ -3,6 +3,9 @@ the same thing in the same order."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +27,31 @@ def inv_freq(theta: float, d: int, given: tuple[float, ...] | None = None) -> np
     if given is not None:
         return np.asarray(given, np.float32)
     return 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+
+
+_frequencies = inv_freq  # pallas_rope's keyword ``inv_freq`` hides the function's name
+
+
+def pallas_rope(
+    body: Callable[[jax.Array, jax.Array, np.ndarray, bool], jax.Array],
+) -> Callable[..., jax.Array]:
+    """A Pallas backend's ``rope`` (GPU and TPU take the same arguments, one jit) from
+    ``body(x [M, H, D], positions [M], inv_freq [D/2] f32, interpret)``."""
+
+    @functools.partial(jax.jit, static_argnames=("theta", "inv_freq", "interpret"))
+    def rope(
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        theta: float,
+        inv_freq: tuple[float, ...] | None = None,
+        interpret: bool = False,
+    ) -> jax.Array:
+        """x [M, H, D] rotated at positions [M] (angles in f32, rotate_half), rows invariant;
+        ``inv_freq``: a scaled RoPE's D/2 frequencies instead of ``theta``'s."""
+        return body(x, positions, _frequencies(theta, x.shape[-1], inv_freq), interpret)
+
+    return rope
 
 
 def lse_step(m: jax.Array, s: jax.Array, z: jax.Array, keepdims: bool = False) -> tuple[jax.Array, jax.Array]:

@@ -12,13 +12,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._tiling import is_pow2, next_pow2, pad_axis, pad_to_block, round_up
 from kernels_pallas._triton import MIN_TILE, compiler_params
-from kernels_pallas.rowwise.common import BLOCK_ROWS, lse_step, rms_rows
-from kernels_pallas.rowwise.common import inv_freq as _inv_freq
+from kernels_pallas.rowwise.common import BLOCK_ROWS, lse_step, pallas_rope, rms_rows
 from kernels_pallas.rowwise.common import scale_rows as scale_rows
 
 
@@ -81,21 +81,11 @@ def _rope_kernel(x_ref, p_ref, f_ref, o_ref, *, heads: int, d: int):
         o_ref[:, pl.ds(h * d + half, half)] = x2 * cos + x1 * sin
 
 
-@functools.partial(jax.jit, static_argnames=("theta", "inv_freq", "interpret"))
-def rope(
-    x: jax.Array,
-    positions: jax.Array,
-    *,
-    theta: float,
-    inv_freq: tuple[float, ...] | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """x [M, H, D] rotated at positions [M] (angles in f32, rotate_half), rows invariant;
-    ``inv_freq``: a scaled RoPE's D/2 frequencies instead of ``theta``'s."""
+def _rope(x: jax.Array, positions: jax.Array, inv: np.ndarray, interpret: bool) -> jax.Array:
     m, h, d = x.shape
     if not is_pow2(d // 2):
         raise ValueError(f"the GPU RoPE kernel needs a power-of-two head_dim, got {d}")
-    freq = jnp.asarray(_inv_freq(theta, d, inv_freq), jnp.float32)[None]
+    freq = jnp.asarray(inv, jnp.float32)[None]
     xp = pad_to_block(x.reshape(m, h * d), BLOCK_ROWS)
     pp = pad_to_block(positions.astype(jnp.int32)[:, None], BLOCK_ROWS)
     specs = [_rows(h * d), _rows(1), _whole((1, d // 2))]
@@ -105,6 +95,9 @@ def rope(
         kernel, xp, out_shape, specs, _rows(h * d), pp, freq, interpret=interpret, name="qarl_rope"
     )
     return out[:m].reshape(m, h, d)
+
+
+rope = pallas_rope(_rope)
 
 
 def _lse_kernel(x_ref, o_ref, *, chunks: int, block_v: int):

@@ -22,8 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode
 from kernels_pallas._tiling import pad_axis, pad_to_block, round_up
-from kernels_pallas.rowwise.common import BLOCK_ROWS, lse_step, rms_rows
-from kernels_pallas.rowwise.common import inv_freq as _inv_freq
+from kernels_pallas.rowwise.common import BLOCK_ROWS, lse_step, pallas_rope, rms_rows
 from kernels_pallas.rowwise.common import scale_rows as scale_rows
 
 
@@ -77,20 +76,9 @@ def _rope_kernel(x_ref, p_ref, f_ref, o_ref, *, half: int):
     o_ref[...] = x * cos + rot * sin
 
 
-@functools.partial(jax.jit, static_argnames=("theta", "inv_freq", "interpret"))
-def rope(
-    x: jax.Array,
-    positions: jax.Array,
-    *,
-    theta: float,
-    inv_freq: tuple[float, ...] | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """x [M, H, D] rotated at positions [M] (angles in f32, rotate_half), rows invariant;
-    ``inv_freq``: a scaled RoPE's D/2 frequencies instead of ``theta``'s."""
+def _rope(x: jax.Array, positions: jax.Array, inv: np.ndarray, interpret: bool) -> jax.Array:
     m, h, d = x.shape
     dp = round_up(d, LANES)
-    inv = _inv_freq(theta, d, inv_freq)
     freq = pad_axis(jnp.asarray(np.concatenate([inv, inv]), jnp.float32), 0, dp)[None]
     xp = pad_to_block(pad_axis(x.reshape(m * h, d), 1, dp), BLOCK_ROWS)
     pp = pad_to_block(jnp.repeat(positions.astype(jnp.int32), h)[:, None], BLOCK_ROWS)
@@ -101,6 +89,9 @@ def rope(
         kernel, out_shape, specs, _rows(dp), xp, pp, freq, interpret=interpret, name="qarl_rope_tpu"
     )
     return out[: m * h, :d].reshape(m, h, d)
+
+
+rope = pallas_rope(_rope)
 
 
 def _lse_kernel(x_ref, o_ref, m_ref, s_ref):

@@ -17,6 +17,7 @@ import time
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from qarl_jax.cli import plain
 from qarl_jax.data import (
     DataConfig,
     SyntheticArithmetic,
@@ -59,7 +60,7 @@ def timed(fn, *args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gsm8k-dir", type=pathlib.Path, default=REPO.parent / "shared" / "data" / "gsm8k")
     parser.add_argument("--batches", type=int, default=200)

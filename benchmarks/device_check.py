@@ -27,6 +27,8 @@ import sys
 import time
 import traceback
 
+from qarl_jax.cli import plain
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FORMATS = ("bf16", "w8a8", "w4a16", "w4a8")
 MODELS = ("qwen3-tiny", "qwen3-moe-tiny")
@@ -522,7 +524,7 @@ def _cells(text: str) -> list[tuple[str, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0]))
     sub = ap.add_subparsers(dest="stage", required=True)
     for name in ("kernels", "alignment", "layouts"):
         p = sub.add_parser(name)

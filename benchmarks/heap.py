@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from qarl_jax.cli import plain
+
 
 def child(calls: int) -> dict:
     import jax
@@ -58,7 +60,7 @@ def child(calls: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json")
@@ -69,14 +71,14 @@ def main() -> None:
         return
     from qarl_jax.heap import TUNABLES, tuned_environ
 
-    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    tuned = tuned_environ(plain)
+    default = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    tuned = tuned_environ(default)
     if tuned is None:
         sys.exit("heap.py: glibc's tunables do not apply here (not Linux with glibc)")
     runs: dict[str, list[dict]] = {"glibc default": [], "qarl_jax.heap": []}
     cmd = [sys.executable, __file__, "--child", f"--calls={args.calls}"]
     for i in range(args.pairs):
-        for name, env in (("glibc default", plain), ("qarl_jax.heap", tuned)):
+        for name, env in (("glibc default", default), ("qarl_jax.heap", tuned)):
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"pair {i + 1}/{args.pairs} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)

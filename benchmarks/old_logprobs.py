@@ -31,11 +31,13 @@ from qarl_jax.rl.train_step import OptimizerConfig, TrainConfig, Trainer
 sys.path.insert(0, os.path.dirname(__file__))
 from train_step import _batch  # noqa: E402
 
+from qarl_jax.cli import plain
+
 MODES = ("recompute", "auto")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--repeats", type=int, default=7, help="rollout batches per mode (after a warm-up)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()

@@ -31,6 +31,7 @@ import numpy as np
 
 import kernels_pallas
 from qarl_jax import quant
+from qarl_jax.cli import plain
 from qarl_jax.models import PRESETS, Qwen3ForCausalLM, TransformerConfig, init_params, save_pretrained
 from qarl_jax.models.hf_io import config_to_hf
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
@@ -278,7 +279,7 @@ def hf_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=plain(__doc__.split("\n\n")[0]))
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--gpu-shape", action="store_true", help="Qwen3-1.7B shape, batches 16/64/256")
     mode.add_argument("--small-sweep", action="store_true", help="the sweep at the CPU shape, 16+16 tokens")

@@ -258,6 +258,18 @@ CASES = {
         5,
         ["--out", "a-file"],
     ),
+    "replicate: the default --out lacks a run": (  # the committed study is never trained into
+        REPLICATE,
+        lambda t: ["--arms", "bf16", "--seeds", "7"],
+        2,
+        ["results/replication", "no bf16 seed 7 run", "--out DIR"],
+    ),
+    "regime: the default --out lacks a cell": (
+        REGIME,
+        lambda t: ["--lengths", "steps12", "--formats", "w8a8"],
+        2,
+        ["results/replication_long", "no steps12-w8a8 run", "--out DIR"],
+    ),
     "replicate: unknown arm": (REPLICATE, lambda t: ["--arms", "fp8"], 2, ["unknown arm 'fp8'"]),
     "replicate: --seeds x": (REPLICATE, lambda t: ["--seeds", "x"], 2, ["--seeds"]),
     "replicate: unknown key": (

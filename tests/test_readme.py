@@ -123,11 +123,12 @@ def test_every_command_parses():
 
 
 def test_help_is_plain_text():
-    """``--help`` of every qarl_jax command reads as plain text: no reStructuredText markup (a
+    """``--help`` of every qarl_jax command and benchmark script reads as plain text: no
+    reStructuredText markup (a
     docstring shown raw), and its description does not stop mid-sentence (on a colon)."""
     bad = {}
     for command, (_, out, _) in _helps().items():
-        if " -m qarl_jax" not in command:
+        if " -m qarl_jax" not in command and " benchmarks/" not in command:
             continue
         if found := [m for m in MARKUP if m in out]:
             bad[command] = f"shows {found}"

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         help="results folder (default results/<config name>[-quick]); measured cells in it are "
-        "reused: the default holds the committed sweep",
+        "reused: the default holds the committed sweep, never measured into (name --out)",
     )
     parser.add_argument("--lengths", default="steps4,steps24", help=f"comma-separated, from {list(LENGTHS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {list(FORMATS)}")
@@ -177,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     base = pathlib.Path(args.config)
     out = pathlib.Path(args.out or f"results/{base.stem}{'-quick' if args.quick else ''}")
     grid = [(length, fmt) for length in lengths for fmt in formats]
+    unmeasured = [c for c in grid if not (out / "sweep" / "-".join(c) / "metrics.jsonl").exists()]
+    if args.out is None and not args.quick and unmeasured:
+        # the default folder is the repository's committed sweep: never measured into unless named
+        parser.error(
+            f"{out} (the default --out, the committed sweep) has no {'-'.join(unmeasured[0])} run and "
+            f"is never measured into: name where to measure with --out DIR, e.g. --out runs/{base.stem}"
+        )
     extra = [*(QUICK if args.quick else []), *args.overrides]
     return cli.run(lambda: _sweep(base, out, grid, extra))
 

@@ -19,8 +19,10 @@ Each (arm, seed) is one ordinary training run (the study's config, default
 arm's overrides) in ``OUT/runs/<arm>/seed<k>/``; a finished run leaves ``run_summary.json`` there and is
 skipped next time, an interrupted one resumes from its checkpoint, so the grid can be completed
 across sessions. After every run ``OUT/summary.json`` and ``OUT/summary.md`` are rewritten from all
-finished runs (``--summarize`` recomputes them without training). ``--quick``: one seed, a few
-steps, into ``results/replication-quick`` (a smoke test).
+finished runs (``--summarize`` recomputes them without training). Without ``--out`` the folder is
+the committed study, ``results/<config name>``: its table is reprinted, and a run it lacks is
+refused in one line (nothing trains into the repository's results unless named by ``--out``).
+``--quick``: one seed, a few steps, into ``results/replication-quick`` (a smoke test, git-ignored).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         help="results folder (default results/<config name>[-quick]); finished runs in it are reused, "
-        "not retrained: the default holds the committed studies",
+        "not retrained: the default holds the committed studies and is only reprinted (a run it "
+        "lacks is refused: name --out to train)",
     )
     parser.add_argument("--summarize", action="store_true", help="only recompute the summaries (no training)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every arm, e.g. run.steps=50")
@@ -125,8 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         if not any(out.glob("runs/*/seed*/run_summary.json")):
             parser.error(f"--summarize: no finished runs under {out}/runs")
         return cli.run(lambda: _resummarize(out))
+    grid = [(arm, seed) for seed in seeds for arm in arms]
+    missing = [(a, s) for a, s in grid if not (run_dir(out, a, s) / "run_summary.json").exists()]
+    if args.out is None and not args.quick and missing:
+        # the default folder is the repository's committed study: it is reprinted, never trained into
+        arm, seed = missing[0]
+        parser.error(
+            f"{out} (the default --out, the committed study) has no {arm} seed {seed} run and is never "
+            f"trained into: name where to train with --out DIR, e.g. --out runs/{base.stem}"
+        )
     extra = [*(QUICK if args.quick else []), *args.overrides]
-    return cli.run(lambda: _grid(out, base, [(arm, seed) for seed in seeds for arm in arms], extra))
+    return cli.run(lambda: _grid(out, base, grid, extra))
 
 
 def _resummarize(out: pathlib.Path) -> int:

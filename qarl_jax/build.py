@@ -159,11 +159,14 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
 
 def engine_layout(config: Config, devices: list | None = None) -> Mesh:
     """The rollout engine's mesh (``rollout.mesh`` over ``devices``, default this process's), checked
-    against the architecture before any weight is loaded (see
-    :func:`qarl_jax.rollout.layout.check_layout`)."""
+    against the architecture before any weight is loaded or the run directory written (see
+    :func:`qarl_jax.rollout.layout.check_layout`), as the quantization's group sizes are
+    (:func:`quant_group_sizes`)."""
     r = config.rollout
     devices = jax.local_devices() if devices is None else devices
-    layout.check_layout(r.mesh, architecture(config), len(devices))
+    arch = architecture(config)
+    quant_group_sizes(config.quant, arch)
+    layout.check_layout(r.mesh, arch, len(devices))
     return layout.engine_mesh(r.mesh, devices)
 
 

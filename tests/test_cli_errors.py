@@ -50,6 +50,20 @@ def mistral(t: pathlib.Path) -> pathlib.Path:
     return d
 
 
+def hidden_192(t: pathlib.Path) -> pathlib.Path:
+    """A Qwen2 config.json of hidden size 192 (6 heads of 32): 128 does not divide its K."""
+    from qarl_jax.models import preset
+    from qarl_jax.models.hf_io import config_to_hf
+
+    arch = preset("qwen3-tiny").replace(
+        family="qwen2", hidden_size=192, num_attention_heads=6, num_key_value_heads=2
+    )
+    d = t / "hidden192"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config_to_hf(arch)))
+    return d
+
+
 def no_valid_rows(t: pathlib.Path) -> pathlib.Path:
     f = t / "bad.jsonl"
     f.write_bytes(b"{\n\xff\n")
@@ -251,6 +265,12 @@ CASES = {
         lambda t: ["--checkpoint", str(t), "--port", "0"],
         3,
         ["neither a Hugging Face model directory"],
+    ),
+    "main: a group size a projection's K cannot take": (  # refused before the run directory
+        MAIN,
+        lambda t: ["--config", SMOKE, RUN(t), f"model.path={hidden_192(t)}", "quant.group_size=128"],
+        2,
+        ["q_proj (attention projection, K=192)", "quant.group_size=128", "divides 192"],
     ),
     "replicate: --out a file": (
         REPLICATE,

@@ -26,6 +26,7 @@ Layout, one package per operation, each with the same modules::
     fused.py       ``fused_rows``: a chain of row-wise kernels as one row-block program
     _triton.py / _mosaic.py  the GPU / TPU Pallas compiler settings
     gpu_support.py the formats a GPU's compute capability runs (fp8 from 8.9), refused in one line
+    shapes.py      the head sizes and int4 groups the GPU / TPU kernels tile, refused in one line
 
 Imports nothing but JAX (and numpy, which JAX requires); a backend's Pallas module is imported on
 its first call.

@@ -1,6 +1,5 @@
-"""Which formats a GPU can run, by its compute capability, and which shapes its kernels tile: refused
-in one line where the GPU kernels are chosen (and by ``qarl_jax.build`` before a checkpoint loads),
-not deep in Triton's lowering.
+"""Which formats a GPU can run, by its compute capability: refused in one line where the GPU kernels
+are chosen (and by ``qarl_jax.build`` before a checkpoint loads), not deep in Triton's lowering.
 
 fp8's Triton kernels widen float8_e4m3fn tiles to bf16, and Triton converts e4m3 only from
 compute capability 8.9 (Ada, Hopper, Blackwell: JAX's Pallas-Triton lowering checks the same
@@ -14,7 +13,6 @@ host compiling for a GPU, or Pallas' interpreter) nothing is refused: Pallas the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import jax
 
@@ -63,38 +61,5 @@ def check_gpu_format(fmt: str) -> None:
     cannot run ``fmt``'s Triton kernels; nothing on a host without one."""
     gpu = first_gpu() if fmt in MIN_CAPABILITY else None
     reason = None if gpu is None else unsupported(fmt, *gpu)
-    if reason is not None:
-        raise ValueError(reason)
-
-
-# Triton's smallest dot dimension (kernels_pallas._triton.MIN_TILE, not imported: that module loads
-# Pallas' Triton front end)
-_MIN_TILE = 16
-
-
-def _pow2(v: int) -> bool:
-    return v >= 1 and v & (v - 1) == 0
-
-
-def unsupported_shape(head_dim: int, group_sizes: Iterable[int] = ()) -> str | None:
-    """The one-line reason a model of ``head_dim`` whose int4 weights use ``group_sizes`` cannot run
-    on the GPU kernels, or None: attention and RoPE hold a head in one power-of-two Triton block of
-    at least 16 lanes, and the int4 matmul walks K in power-of-two groups of at least 32 rows (two
-    16-row tiles). Pure: tested without a GPU."""
-    if head_dim < _MIN_TILE or not _pow2(head_dim):
-        need = f"a power-of-two head_dim >= {_MIN_TILE}"
-        return f"the GPU attention and RoPE kernels need {need}, got {head_dim}"
-    bad = sorted({g for g in group_sizes if g < 2 * _MIN_TILE or not _pow2(g)})
-    if bad:
-        return (
-            f"the GPU int4 matmul needs power-of-two group sizes >= {2 * _MIN_TILE}; got {bad}: set "
-            "quant.group_size to one that divides every K, or a per-channel format (w8a8, fp8)"
-        )
-    return None
-
-
-def check_gpu_shapes(head_dim: int, group_sizes: Iterable[int] = ()) -> None:
-    """Raise ValueError with :func:`unsupported_shape`'s line on a host with a GPU; nothing without."""
-    reason = None if first_gpu() is None else unsupported_shape(head_dim, group_sizes)
     if reason is not None:
         raise ValueError(reason)

@@ -15,7 +15,8 @@ import pathlib
 import jax
 from jax.sharding import Mesh
 
-from kernels_pallas.gpu_support import check_gpu_format, check_gpu_shapes
+from kernels_pallas.gpu_support import check_gpu_format
+from kernels_pallas.shapes import check_shapes
 from qarl_jax import sharding
 from qarl_jax.config import Config, ModelConfig, load_config, to_dict
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
@@ -50,8 +51,8 @@ def architecture(config: Config) -> TransformerConfig:
 
 def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     """The policy model (with the run's quant spec) and its float master weights on ``mesh``. A
-    format or a shape this host's GPU cannot run, and a group size a projection's K cannot take,
-    are refused here in one line, before a checkpoint loads."""
+    format or a shape this host's GPU or TPU kernels cannot run, and a group size a projection's K
+    cannot take, are refused here in one line, before a checkpoint loads."""
     try:
         check_gpu_format(config.quant.fmt)
     except ValueError as e:
@@ -60,7 +61,7 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     arch = architecture(config)
     groups = quant_group_sizes(config.quant, arch)
     try:
-        check_gpu_shapes(arch.head_dim, groups.values())
+        check_shapes(arch.head_dim, groups.values())
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     model = Qwen3ForCausalLM(arch, config.quant)

@@ -4,10 +4,11 @@ or refused when the config is checked, in one line naming what is wrong and what
 Rules: int4 groups along K (the default group taken per K: 128, else a power of two that divides
 K, so a hidden size of 192 runs in groups of 64; a named group size a projection's K cannot take
 refused naming the projection); two int4 values per byte (K even); RoPE's pairs (head_dim even);
-the GPU kernels' power-of-two heads and groups (refused only on a host with a GPU: pure check
-here); heads a multiple of kv heads and of the column blocks; a vocabulary the column blocks do not
-divide (taken: zero columns padded and cut). The expert axis's rule is test_rollout_layout's; the
-bitwise end-to-end run of a hidden-192 Qwen2 checkpoint is test_families_alignment's."""
+the GPU kernels' power-of-two heads and groups and the TPU's groups of 64 (refused on those
+backends: pure check here); heads a multiple of kv heads and of the column blocks; a vocabulary the
+column blocks do not divide (taken: zero columns padded and cut). The expert axis's rule is
+test_rollout_layout's; the bitwise end-to-end run of a hidden-192 Qwen2 checkpoint is
+test_families_alignment's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas as kp
-from kernels_pallas.gpu_support import unsupported_shape
+from kernels_pallas.shapes import unsupported_shape
 from qarl_jax.build import quant_group_sizes
 from qarl_jax.errors import ConfigError
 from qarl_jax.models import preset
@@ -119,17 +120,20 @@ def test_head_rules(change, message):
 
 
 @pytest.mark.parametrize(
-    "head_dim, groups, message",
+    "backend, head_dim, groups, message",
     [
-        (32, [64, 128], None),
-        (128, [32], None),
-        (24, [], "power-of-two head_dim >= 16, got 24"),
-        (8, [], "power-of-two head_dim >= 16, got 8"),
-        (64, [128, 96, 16], "power-of-two group sizes >= 32; got [16, 96]"),
+        ("gpu", 32, [64, 128], None),
+        ("gpu", 128, [32], None),
+        ("gpu", 24, [], "power-of-two head_dim >= 16, got 24"),
+        ("gpu", 8, [], "power-of-two head_dim >= 16, got 8"),
+        ("gpu", 64, [128, 96, 16], "GPU int4 matmul needs power-of-two group sizes >= 32; got [16, 96]"),
+        ("tpu", 24, [64, 128, 192], None),  # heads padded to 128 lanes
+        ("tpu", 64, [128, 32], "TPU int4 matmul needs group sizes that are multiples of 64; got [32]"),
+        ("cpu", 6, [2, 96], None),
     ],
 )
-def test_gpu_shape_rules(head_dim, groups, message):
-    reason = unsupported_shape(head_dim, groups)
+def test_backend_shape_rules(backend, head_dim, groups, message):
+    reason = unsupported_shape(backend, head_dim, groups)
     assert reason is None if message is None else message in reason
 
 

@@ -91,3 +91,60 @@ def test_equivalent_writings_are_one_vote():
     roots = {answer_key("math", r) for r in ("\\boxed{\\dfrac{\\sqrt3}{2}}", "\\boxed{\\frac{\\sqrt{3}}{2}}")}
     assert roots == {"\\frac{\\sqrt{3}}{2}"}
     assert answer_key("math", "\\boxed{3x}") != answer_key("math", "\\boxed{3}")
+
+
+# maj@4 counted by hand on six items whose equivalent answers are written differently:
+# 1. 1/3 | \dfrac12 | \tfrac12 | 0.5: votes 1/2 x3, 1/3 x1 -> 1/2, right (1). On raw strings
+#    (before issue 48) all four differed and the tie's first, 1/3, won: 0.
+# 2. \sqrt{3} | \dfrac{\sqrt3}{2} | \frac{\sqrt{3}}{2} | \tfrac{\sqrt3}{2}: \frac{\sqrt{3}}{2} x3
+#    -> right (1); on raw strings: 0.
+# 3. 1{,}000 | 1,000 | #### 1000 | 999: 1000 x3 -> right (1).
+# 4. 50\% | 3x | 3x | 50 (reference 50): 50 x2 (the percent sign dropped), 3x x2, a tie: the first
+#    given, 50, wins: right (1).
+# 5. 3x | 3 | 3x | 3 (reference 3): 3x x2, 3 x2, a tie: 3x first: wrong (0). Before issue 48 all
+#    four were the vote 3 and 3x graded 1.
+# 6. three samples without an answer and \boxed{3}: no answer never wins -> 3, right (1).
+# maj@4 = (1 + 1 + 1 + 1 + 0 + 1) / 6 = 5/6; pass@1 = (3 + 3 + 3 + 2 + 2 + 1) / 4 / 6 = 7/12.
+HAND_BUILT = [
+    ("\\frac{1}{2}", ["\\boxed{1/3}", "\\boxed{\\dfrac12}", "\\boxed{\\tfrac12}", "\\boxed{0.5}"]),
+    (
+        "\\frac{\\sqrt{3}}{2}",
+        [
+            "\\boxed{\\sqrt{3}}",
+            "\\boxed{\\dfrac{\\sqrt3}{2}}",
+            "\\boxed{\\frac{\\sqrt{3}}{2}}",
+            "\\boxed{\\tfrac{\\sqrt3}{2}}",
+        ],
+    ),
+    ("1000", ["\\boxed{1{,}000}", "\\boxed{1,000}", "so\n#### 1000", "\\boxed{999}"]),
+    ("50", ["\\boxed{50\\%}", "\\boxed{3x}", "\\boxed{3x}", "\\boxed{50}"]),
+    ("3", ["\\boxed{3x}", "\\boxed{3}", "\\boxed{3x}", "\\boxed{3}"]),
+    ("3", ["no answer", "I do not know", "\\boxed{3}", "still thinking"]),
+]
+
+
+def test_majority_on_a_hand_built_file_equals_the_count_by_hand():
+    """The records evaluate writes (answer key and grade per sample, one extraction), through the
+    figures it computes (command._figures)."""
+    from qarl_jax.evaluate.command import _figures
+
+    records = [
+        {
+            "samples": [
+                {
+                    "response": r,
+                    "answer": answer_key("math", r),
+                    "grade": grade_math(r, ref),
+                    "tokens": 1,
+                    "finish": "eos",
+                }
+                for r in responses
+            ]
+        }
+        for ref, responses in HAND_BUILT
+    ]
+    grades = [[s["grade"] for s in rec["samples"]] for rec in records]
+    assert grades == [[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 0]]
+    figures = _figures(records, [1])
+    assert figures["maj@4"] == pytest.approx(5 / 6, abs=1e-12)
+    assert figures["pass@1"] == pytest.approx(7 / 12, abs=1e-12)

@@ -4,7 +4,8 @@ Every grader and maj@k read a response through :func:`final_answer`, so a vote's
 come from one extraction. The final answer is taken after the last anchor, as Qwen2.5-Math's
 evaluation (``extract_answer`` in its ``evaluation/parser.py``) takes it: the last ``\\boxed{...}``
 (or ``\\fbox``), else ``####``, "answer is", "answer:" or "A:" (then the first ``$...$`` /
-``\\(...\\)`` on the rest of that line, or the line itself), else the last number in the text.
+``\\(...\\)`` on the rest of that line unless a number comes before it, else the line itself),
+else the last number in the text.
 
 Units are removed only where they are units, following the conventions of math-verify's
 ``NormalizationConfig(units=True)`` (latex2sympy2_extended's ``math_normalization``), lighteval's
@@ -72,6 +73,7 @@ _CONTINUATION_RE = re.compile(
 )
 _ORDINALS = frozenset(("st", "nd", "rd", "th"))
 _LATEX_RE = re.compile(r"[\\{}^_]")
+_DIGIT_RE = re.compile(r"[0-9]")
 _PROSE_PERCENT_RE = re.compile(r"\s*(?:\\%|%|percent\b)")
 
 
@@ -219,7 +221,7 @@ def final_answer(response: str) -> FinalAnswer | None:
         return None if content is None or not content.strip() else FinalAnswer(content, "boxed")
     span = response[anchor.end() : anchor.end() + _SPAN_CHARS].split("\n", 1)[0]
     math = _MATH_RE.search(span)
-    if math is not None and span[: math.start()].strip(" :*") == "":
+    if math is not None and not _DIGIT_RE.search(span, 0, math.start()):  # "is therefore $\\frac12$"
         return FinalAnswer(math.group(1) or math.group(2), "math")
     span = span.replace("\\$", "$").strip(" :*")
     return FinalAnswer(span, "prose") if span else None

@@ -24,6 +24,7 @@ import numpy as np
 
 from qarl_jax import distributed
 from qarl_jax.config import Config, ConfigError
+from qarl_jax.data.templates import cut_at_stop, stop_strings
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rollout import GREEDY, RolloutEngine, SamplingParams, layout, rollout
@@ -34,10 +35,13 @@ def eval_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed, spawn_key=(1,)).generate_state(1)[0] >> 1)
 
 
-def score(tokenizer, grader: Grader, kind: str, samples, answers: Sequence[str]) -> np.ndarray:
-    """Rewards [prompts, samples] of the decoded responses."""
+def score(
+    tokenizer, grader: Grader, kind: str, samples, answers: Sequence[str], stops: Sequence[str] = ()
+) -> np.ndarray:
+    """Rewards [prompts, samples] of the decoded responses, each read up to its template's first
+    stop string (:func:`qarl_jax.data.templates.cut_at_stop`)."""
     flat = [s for group in samples for s in group]
-    texts = tokenizer.decode_batch([s.tokens for s in flat])
+    texts = [cut_at_stop(t, stops) for t in tokenizer.decode_batch([s.tokens for s in flat])]
     repeated = [a for a, group in zip(answers, samples, strict=True) for _ in group]
     return grader.grade(texts, repeated, kind).reshape(len(samples), -1)
 
@@ -54,20 +58,21 @@ def outcomes(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     prompt_ids: Sequence[int] | None = None,
+    stops: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
     """Per prompt: ``greedy`` reward [P, 1], greedy ``length`` [P] and, when ``samples`` > 0, the
     ``sampled`` rewards [P, samples] drawn with ``sampling`` under ``seed``. ``prompt_ids`` name
-    the prompts in the sample keys (see :func:`qarl_jax.rollout.rollout`)."""
-    greedy = rollout(engine, prompts, 1, max_new_tokens, GREEDY, 0, prompt_ids=prompt_ids, progress=False)
+    the prompts in the sample keys (see :func:`qarl_jax.rollout.rollout`); ``stops``: the
+    template's stop strings, as the training rollouts have them."""
+    ends = dict(stop_strings=stops, tokenizer=tokenizer, prompt_ids=prompt_ids, progress=False)
+    greedy = rollout(engine, prompts, 1, max_new_tokens, GREEDY, 0, **ends)
     out = {
-        "greedy": score(tokenizer, grader, kind, greedy, answers),
+        "greedy": score(tokenizer, grader, kind, greedy, answers, stops),
         "length": np.asarray([s.length for group in greedy for s in group]),
     }
     if samples:
-        drawn = rollout(
-            engine, prompts, samples, max_new_tokens, sampling, seed, prompt_ids=prompt_ids, progress=False
-        )
-        out["sampled"] = score(tokenizer, grader, kind, drawn, answers)
+        drawn = rollout(engine, prompts, samples, max_new_tokens, sampling, seed, **ends)
+        out["sampled"] = score(tokenizer, grader, kind, drawn, answers, stops)
     return out
 
 
@@ -134,7 +139,14 @@ class Evaluator:
         sampling = SamplingParams(c.rollout.temperature)
         args = (self.tokenizer, self.grader, c.rewards.kind, self.prompts, self.answers)
         out = outcomes(
-            engine, *args, c.rollout.max_new_tokens, c.run.eval_samples, sampling, eval_seed(c.seed), self.ids
+            engine,
+            *args,
+            c.rollout.max_new_tokens,
+            c.run.eval_samples,
+            sampling,
+            eval_seed(c.seed),
+            self.ids,
+            stop_strings(c.data.template),
         )
         pad = lambda v: np.concatenate([v, np.zeros((self.rows - len(v), *v.shape[1:]), v.dtype)])
         return {k: v[self.order] for k, v in distributed.gather({k: pad(v) for k, v in out.items()}).items()}

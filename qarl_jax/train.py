@@ -43,6 +43,7 @@ from qarl_jax.build import (
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
 from qarl_jax.data import build_pipeline
+from qarl_jax.data.templates import stop_strings
 from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
 from qarl_jax.heldout_eval import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
@@ -79,14 +80,29 @@ class Loop:
         self, prompts: Sequence[np.ndarray], n: int, sampling: SamplingParams, seed: int, first: int = 0
     ):
         """samples[prompt][sample] from the engine's current frozen weights; the prompts are
-        numbered from ``first`` in the sample keys."""
+        numbered from ``first`` in the sample keys. A sample ends on EOS, the token limit, or its
+        template's stop string (:data:`qarl_jax.data.templates.STOP_STRINGS`: ``plain`` stops at a
+        made-up next "Question:")."""
         lists = [p.tolist() for p in prompts]
         max_new = self.config.rollout.max_new_tokens
         ids = range(first, first + len(lists))
-        return rollout(self.engine, lists, n, max_new, sampling, seed, prompt_ids=ids, progress=False)
+        stops = stop_strings(self.config.data.template)
+        return rollout(
+            self.engine,
+            lists,
+            n,
+            max_new,
+            sampling,
+            seed,
+            stops,
+            self.tokenizer,
+            prompt_ids=ids,
+            progress=False,
+        )
 
     def score(self, samples, answers: Sequence[str]) -> np.ndarray:
-        return score(self.tokenizer, self.grader, self.config.rewards.kind, samples, answers)
+        stops = stop_strings(self.config.data.template)
+        return score(self.tokenizer, self.grader, self.config.rewards.kind, samples, answers, stops)
 
     def draw(self, batch: dict, seed: int, round_: int = 0, timing: list | None = None) -> dapo.Groups:
         """G samples of each prompt of ``batch``, graded; ``rewards`` add the soft overlong

@@ -125,6 +125,25 @@ CASES = {
         5,
         ["--export-hf", "a-file"],
     ),
+    # issue 48: an export no server runs is refused before training (vLLM's compressed-tensors
+    # schemes and Marlin's MARLIN_SUPPORTED_GROUP_SIZES), and nothing is written
+    "main: --export-compressed-tensors w4a8": (
+        MAIN,
+        lambda t: ["--config", SMOKE, RUN(t), "quant.fmt=w4a8", "--export-compressed-tensors", f"{t}/ct"],
+        2,
+        ["quant.fmt='w4a8'", "no GPU server runs", "w4a16, w8a8, fp8"],
+    ),
+    "main: --export-compressed-tensors group 96": (
+        MAIN,
+        lambda t: [
+            *("--config", SMOKE, RUN(t)),
+            "quant.group_size=96",
+            "--export-compressed-tensors",
+            f"{t}/ct",
+        ],
+        2,
+        ["quant.group_size=96", "Marlin", "32, 64, 128"],
+    ),
     "main: --config swallows an override": (
         MAIN,
         lambda t: ["--config", "run.steps=3"],

@@ -316,3 +316,31 @@ def test_weights_variants():
     assert variants(config, "bf16")["bf16"].fmt == "bf16"
     bf16_run = load_config(SMOKE, ["quant.fmt=bf16"])
     assert list(variants(bf16_run, "both")) == ["bf16 (deployed)"]
+
+
+def test_a_made_up_next_question_is_not_graded(tmp_path):
+    """The plain template's stop string (lm-eval's GSM8K ``until: ["Question:"]``): a response that
+    went on to a made-up "Question:" and answered it is read up to the stop, so its own answer (5)
+    is graded and voted, not the made-up one (7) the last anchor would otherwise give."""
+    from qarl_jax.data import build_arithmetic_tokenizer
+    from qarl_jax.data.templates import cut_at_stop, stop_strings
+    from qarl_jax.evaluate.benchmarks import Benchmark, Item
+    from qarl_jax.evaluate.run import _records
+    from qarl_jax.rewards import Grader
+    from qarl_jax.rollout.driver import Sample
+
+    assert stop_strings("plain") == ("Question:",) and stop_strings("qwen3_chat") == ()
+    assert cut_at_stop("#### 5\nQuestion: 2+2\nQuestion:", ("Question:",)) == "#### 5\n"
+    tokenizer = build_arithmetic_tokenizer()
+    texts = [" 2+3=5\n#### 5\nQuestion:", " 2+3=5\n#### 5\nQuestion: 3+4\nAnswer: #### 7"]
+    samples = [[Sample(0, i, tokenizer.encode(t).ids, [], [], "greedy", f) for i, (t, f) in
+                enumerate(zip(texts, ("stop_string", "length"), strict=True))]]  # fmt: skip
+    bench = Benchmark("b", tmp_path / "b.jsonl", "gsm8k", "synthetic", [Item("b:1", "2+3", "5")], [])
+    with Grader() as grader:  # "synthetic" grades in-process
+        (cut,) = _records(bench, [0], samples, tokenizer, grader, stop_strings("plain"))
+        (uncut,) = _records(bench, [0], samples, tokenizer, grader, ())
+    assert [(s["response"], s["answer"], s["grade"]) for s in cut["samples"]] == [
+        (" 2+3=5\n#### 5\n", "5", 1.0),
+        (" 2+3=5\n#### 5\n", "5", 1.0),
+    ]
+    assert [(s["answer"], s["grade"]) for s in uncut["samples"]] == [("5", 1.0), ("7", 0.0)]

@@ -23,7 +23,7 @@ from qarl_jax.models.hf_io import param_location, tensor_layout
 from qarl_jax.quant import QuantSpec, aqt
 from qarl_jax.rollout.layout import freeze
 
-FORMATS = ("w4a16", "w8a8", "w4a8", "fp8")
+FORMATS = ("w4a16", "w8a8", "fp8")  # w4a8: refused, no GPU server runs it (issue 48)
 # the tiny presets' K (128, 384; MoE experts 128) hold whole 128-row int4 groups; the untied head
 # and the MoE router stay unquantized (QuantSpec's default kinds) and go in `ignore`
 MODELS = {
@@ -109,9 +109,9 @@ def test_library_decompresses_to_our_dequantized_weights(exports, kind, fmt):
     assert seen == stored
 
 
-# max |transformers - ours| / max |ours| over the logits; measured 7.3e-7, 2.3e-2, 2.0e-2, 5.2e-7
-# (see the test's docstring for why the int8-activation formats differ by percents)
-LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a8": 5e-2, "w4a8": 5e-2, "fp8": 1e-5}
+# max |transformers - ours| / max |ours| over the logits; measured 7.3e-7, 2.3e-2, 5.2e-7
+# (see the test's docstring for why the int8-activation format differs by percents)
+LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a8": 5e-2, "fp8": 1e-5}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -119,7 +119,7 @@ def test_transformers_loads_the_export(exports, fmt):
     """transformers + compressed-tensors load the export on CPU: its modules hold our dequantized
     weights bit for bit, and its logits are near our deployed forward's. The integers are the same;
     the arithmetic is not: w4a16 differs only in f32 summation order (our kernel sums group by
-    group), so ~1e-6 of the logits' range; w8a8 / w4a8 run transformers' fake-quantized dynamic
+    group), so ~1e-6 of the logits' range; w8a8 runs transformers' fake-quantized dynamic
     activations, whose scale is absmax / 127.5 with the range [-128, 127] (compressed-tensors'
     symmetric int8), where our kernel uses absmax / 127 in [-127, 127]: different activation
     integers. Measured on this model: our activation quantization moves the logits by 1.7e-2 of
@@ -195,14 +195,20 @@ def test_master_weights_give_the_scales_back(fmt):
 def test_unsupported_format_refused_in_one_line(tmp_path, capsys, exports):
     config, _, _, frozen, out = exports[("dense", "w4a16")]
     with pytest.raises(
-        ConfigError, match=r"^quant.fmt='bf16' has no compressed-tensors scheme; .* w4a16, w8a8, w4a8, fp8"
+        ConfigError, match=r"^quant.fmt='bf16' has no compressed-tensors scheme; .* w4a16, w8a8, fp8, which"
     ):
         save_compressed(tmp_path / "x", config, frozen, QuantSpec(fmt="bf16"))
     # the CLI refuses before training, in one line, and creates nothing
     assert main(["quant.fmt=bf16", "--export-compressed-tensors", str(tmp_path / "ct")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "has no compressed-tensors scheme" in err[-1] and "w4a16, w8a8, w4a8, fp8" in err[-1]
+    assert "has no compressed-tensors scheme" in err[-1] and "w4a16, w8a8, fp8" in err[-1]
     assert not (tmp_path / "ct").exists()
+    # w4a8 (no GPU server runs it) and int4 groups vLLM's Marlin does not take: refused by the
+    # Python entry too, before a tensor is written (the CLI lines: tests/test_cli_errors.py)
+    for spec, words in ((QuantSpec(fmt="w4a8"), "no GPU server runs"), (QuantSpec("w4a16", 256), "Marlin")):
+        with pytest.raises(ConfigError, match=words):
+            save_compressed(tmp_path / "y", config, frozen, spec)
+    assert not (tmp_path / "y").exists()
     # a checkpoint this package cannot read back: asymmetric weights
     raw = json.loads((out / "config.json").read_text())
     raw["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False

@@ -7,25 +7,27 @@ With n samples of an item of which c are correct (grade 1):
   papers report as pass@1 when they sample (greedy: n = 1, the accuracy);
 * pass@k is the unbiased estimator of Chen et al. 2021, ``1 - C(n - c, k) / C(n, k)``: the chance
   that k of the n samples, drawn without replacement, hold a correct one (k = n: whether any is);
-* maj@n grades the most frequent final answer among the n samples (majority voting): the answers
-  are compared by the text the grader reads (the last ``\\boxed{}``'s content, numbers as numbers,
-  the chosen letter), so two ways of writing one value (``\\frac12`` and ``0.5``) are two votes; a
-  tie goes to the answer given first; samples without a final answer never win. The winner's grade
-  is that of its first sample.
+* maj@n grades the most frequent final answer among the n samples (majority voting). A vote's key
+  and the sample's grade come from one extraction (:func:`qarl_jax.rewards.final_answer`), and the
+  key is the answer's canonical form (:meth:`qarl_jax.rewards.FinalAnswer.key`): a number as a
+  rational (``\\frac12``, ``\\dfrac{1}{2}``, ``1/2`` and ``0.5`` are the vote ``1/2``; units,
+  ``$``, thousands commas and a percent sign dropped), anything else normalised as Qwen2.5-Math's
+  ``strip_string`` does where that changes no value (``\\dfrac{\\sqrt3}{2}`` and
+  ``\\frac{\\sqrt{3}}{2}`` are one vote), the chosen letter for multiple choice. lighteval's
+  maj@k likewise votes on normalised predictions. Ties: the tied answer given first (lowest
+  sample index) wins, so the figure is the same on every run; samples without a final answer
+  never win. The winner's grade is that of its first sample.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from qarl_jax.rewards import boxed_content, extract_choice, extract_number, parse_reference
-
-_BOXED_RE = re.compile(r"\\boxed\s*\{")
+from qarl_jax.rewards import extract_choice, final_answer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,14 +41,13 @@ def answer_key(kind: str, response: str) -> str | None:
     """The final answer a vote counts (see the module docstring), or None when there is none."""
     if kind == "choice":
         return extract_choice(response)
+    final = final_answer(response)
+    if final is None:
+        return None
     if kind == "math":
-        boxes = list(_BOXED_RE.finditer(response))
-        content = boxed_content(response, boxes[-1].end()) if boxes else None
-        if content is not None:
-            number = parse_reference(content)
-            return str(number) if number is not None else "".join(content.split())
-    number = extract_number(response)
-    return None if number is None else str(number)
+        return final.key()
+    number = final.number()  # the number graders read nothing else
+    return None if number is None else str(number.value)
 
 
 def majority(keys: Sequence[str | None], grades: Sequence[float]) -> float:

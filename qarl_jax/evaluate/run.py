@@ -38,7 +38,7 @@ from qarl_jax.build import (
     run_checkpoint,
 )
 from qarl_jax.config import Config, load_config, parse_overrides
-from qarl_jax.data.templates import apply_template
+from qarl_jax.data.templates import apply_template, cut_at_stop, stop_strings
 from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.evaluate.benchmarks import Benchmark
 from qarl_jax.evaluate.metrics import answer_key
@@ -160,6 +160,7 @@ def evaluate_variant(
     )
     engine = build_engine(config, model, place(frozen), tokenizer, engine_layout(config))
     count, index = jax.process_count(), jax.process_index()
+    stops = stop_strings(config.data.template)
     out = {}
     for bench, bench_prompts in zip(benches, prompts, strict=True):
         if distributed.is_primary():
@@ -172,21 +173,26 @@ def evaluate_variant(
             sampling.max_tokens,
             sampling.params,
             bench_seed(sampling.seed, bench.name),
+            stop_strings=stops,
+            tokenizer=tokenizer,
             prompt_ids=ids,
             progress=distributed.is_primary(),
         )
-        mine = _records(bench, ids, samples, tokenizer, grader)
+        mine = _records(bench, ids, samples, tokenizer, grader, stops)
         gathered = [r for share in distributed.gather_json(mine) for r in share]
         out[bench.name] = sorted(gathered, key=lambda r: r["index"])
     engine.release()
     return out
 
 
-def _records(bench: Benchmark, ids: Sequence[int], samples, tokenizer, grader: Grader) -> list[dict]:
-    """Items ``ids``' graded records: per sample the response, its length in tokens, how it ended,
-    the answer a vote counts and the grade."""
+def _records(
+    bench: Benchmark, ids: Sequence[int], samples, tokenizer, grader: Grader, stops: tuple[str, ...]
+) -> list[dict]:
+    """Items ``ids``' graded records: per sample the response (up to the template's stop string,
+    where it stopped on one), its length in tokens, how it ended, the answer a vote counts and the
+    grade."""
     flat = [s for group in samples for s in group]
-    texts = tokenizer.decode_batch([s.tokens for s in flat])
+    texts = [cut_at_stop(t, stops) for t in tokenizer.decode_batch([s.tokens for s in flat])]
     answers = [bench.items[i].answer for i, group in zip(ids, samples, strict=True) for _ in group]
     grades = grader.grade(texts, answers, bench.kind).tolist()
     records, at = [], 0

@@ -10,12 +10,16 @@ the format defines:
 - ``w4a16``: ``pack-quantized``: ``weight_packed`` int32 [out, ceil(in / 8)], eight 4-bit values a
   word along the input dim, value i of a word in bits 4i..4i+3, stored as ``q + 8`` (unsigned);
   ``weight_scale`` [out, in / group] and ``weight_shape`` [out, in] (int64);
-- ``w8a8`` / ``w4a8``: ``int-quantized``: ``weight`` int8 [out, in] (int4 values unpacked for
-  w4a8, as compressed-tensors stores W4A8 and vLLM's W4A8 int scheme reads it) and
-  ``weight_scale``; activations dynamic per token, symmetric int8;
+- ``w8a8``: ``int-quantized``: ``weight`` int8 [out, in] and ``weight_scale``; activations
+  dynamic per token, symmetric int8;
 - ``fp8``: ``float-quantized`` (the FP8_DYNAMIC scheme): ``weight`` float8_e4m3fn [out, in], one
   scale per channel; activations dynamic per token, e4m3;
 - scales stay f32 (what our kernels multiply by); all symmetric (no zero points).
+- only what a server runs (:func:`check_exportable`): no w4a8 (vLLM routes an int W4A8 checkpoint
+  to its FP8-activation W4A8 scheme on sm90, which expects ``weight_packed`` and fp8 activations,
+  and elsewhere to a scheme with CPU / XPU / NPU kernels only; SGLang has no int W4A8 scheme), and
+  int4 groups only of the sizes vLLM's Marlin kernels take (``MARLIN_SUPPORTED_GROUP_SIZES`` in
+  vLLM's ``quantization/utils/marlin_utils.py``: 32, 64, 128, or per channel).
 
 Each distinct (strategy, group size) is one config group (8-bit: per channel; int4: groups of 128,
 or all of K where K is smaller: tiny models only). Projections the run leaves unquantized (lm_head and
@@ -81,17 +85,34 @@ class Scheme:
 SCHEMES = {
     "w4a16": Scheme(PACK_QUANTIZED, None),
     "w8a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
-    "w4a8": Scheme(INT_QUANTIZED, _INT_ACTIVATIONS),
     "fp8": Scheme(FLOAT_QUANTIZED, _FP8_ACTIVATIONS, "float"),
 }
 
 
+SERVED = ", ".join(SCHEMES)  # what vLLM and SGLang load and run from a compressed-tensors checkpoint
+MARLIN_GROUP_SIZES = (32, 64, 128)  # vLLM's Marlin int4 groups (and per channel: K < 128 here)
+
+
 def check_exportable(spec: QuantSpec) -> Scheme:
-    """The scheme of ``spec``'s format, or a :class:`ConfigError` naming the formats that have one."""
+    """The scheme of ``spec``'s format, or a one-line :class:`ConfigError` when no server would run
+    the export (module docstring): a format without a scheme (bf16), w4a8, an int4 group size that
+    vLLM's Marlin kernels do not take. Called before any work (main, the export tool)."""
+    if spec.fmt == "w4a8":
+        raise ConfigError(
+            "quant.fmt='w4a8': no GPU server runs a W4A8-int compressed-tensors checkpoint (vLLM's int "
+            f"W4A8 kernels are CPU / XPU / NPU only, SGLang has none); the export writes {SERVED}, which "
+            "vLLM and SGLang serve (the master weights: --export-hf)"
+        )
     if spec.fmt not in SCHEMES:
         raise ConfigError(
             f"quant.fmt={spec.fmt!r} has no compressed-tensors scheme; the compressed-tensors export "
-            f"writes {', '.join(SCHEMES)} (a bf16 policy: --export-hf)"
+            f"writes {SERVED}, which vLLM and SGLang serve (a bf16 policy: --export-hf)"
+        )
+    if WEIGHT_BITS[spec.fmt] == 4 and spec.group_size not in (None, *MARLIN_GROUP_SIZES):
+        raise ConfigError(
+            f"quant.group_size={spec.group_size}: vLLM's Marlin int4 kernels take groups of "
+            f"{', '.join(map(str, MARLIN_GROUP_SIZES))} or per channel only; a {spec.fmt} export needs "
+            "one of them"
         )
     return SCHEMES[spec.fmt]
 

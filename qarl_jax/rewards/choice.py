@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import re
 
-from qarl_jax.rewards.numbers import boxed_content
+from qarl_jax.rewards.answers import boxed_content
 
 LETTERS = "ABCDEFGHIJ"
 _ANCHOR_RE = re.compile(r"\\boxed\s*\{|(?i:answer is|answer:)")

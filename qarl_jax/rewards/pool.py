@@ -54,8 +54,9 @@ GRADERS: dict[str, GradeFn] = {
 }
 IN_PROCESS_KINDS = frozenset({"synthetic", "choice"})
 # one sample a worker grades before it reports ready: math-verify imports sympy on first use (seconds,
-# more on a loaded machine), which must not count against a real sample's time limit
-WARM_UP = {"math": ("\\boxed{1}", "1")}
+# more on a loaded machine), which must not count against a real sample's time limit; not a number,
+# which grade_math compares without math-verify
+WARM_UP = {"math": ("\\boxed{x + 1}", "1 + x")}
 
 
 def _worker(conn: Connection, graders: Mapping[str, GradeFn]) -> None:

@@ -41,9 +41,17 @@ class Sample:
 
 
 def _stop_cut(sample: Sample, stop_strings: Sequence[str], tokenizer, checked: int) -> int | None:
-    """Number of tokens up to and including the one completing a stop string, or None."""
+    """Number of tokens up to and including the one completing a stop string, or None.
+
+    Only the tail is decoded: a stop string completed after token ``checked`` lies within its
+    length in bytes of tokens before it (a token holds at least one byte), so decoding from a few
+    more tokens back finds it, and a response costs O(length) decoding, not O(length^2) (16k-token
+    responses)."""
+    start = max(0, checked - max(len(s.encode()) for s in stop_strings) - 8)
+    if not any(s in tokenizer.decode(sample.tokens[start:]) for s in stop_strings):
+        return None
     for j in range(checked + 1, sample.length + 1):
-        text = tokenizer.decode(sample.tokens[:j])
+        text = tokenizer.decode(sample.tokens[start:j])
         if any(s in text for s in stop_strings):
             return j
     return None

@@ -29,7 +29,8 @@ from kernels_pallas._triton import compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight
 from kernels_pallas.gpu_support import check_gpu_format
 from kernels_pallas.grouped.common import group_tiles
-from kernels_pallas.matmul.common import acc_dtype, channel_scaled, compute_dtype, finish, kernel_refs, operands
+from kernels_pallas.matmul import common
+from kernels_pallas.matmul.common import channel_scaled, compute_dtype, finish, kernel_refs, operands
 from kernels_pallas.matmul.gpu import Tiling, accumulate, combine_splits, configure
 from kernels_pallas.matmul.tuned import TUNED_GROUPED
 
@@ -111,7 +112,7 @@ def grouped_matmul(
         out_shape = jax.ShapeDtypeStruct((ops.m_pad, t.n_pad), out_dtype)
         out_spec = pl.BlockSpec((ops.m_pad, bn), lambda t, j, s: (0, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((split, ops.m_pad, t.n_pad), acc_dtype(fmt))
+        out_shape = jax.ShapeDtypeStruct((split, ops.m_pad, t.n_pad), common.acc_dtype(fmt))
         out_spec = pl.BlockSpec((None, ops.m_pad, bn), lambda t, j, s: (s, 0, j))
     args.append(jnp.zeros(out_shape.shape, out_shape.dtype))  # rows no tile writes stay zero
     in_specs.append(out_spec)

@@ -5,6 +5,11 @@ the float64 bound, w8a8 bit-exact, a row's bits the same at M = 1, 3 and 16."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,3 +130,28 @@ def test_variants_lower_for_cuda(fmt):
     sizes = jnp.array([5, 0, 11], jnp.int32)
     grouped = lambda x, w, s: CASES.grouped(x, w, s, interpret=False, **knobs)
     assert CASES.lowers(grouped, x, w3, sizes)
+
+
+def _tuned_in_subprocess(path: str) -> subprocess.CompletedProcess:
+    code = (
+        "from kernels_pallas.matmul import tuned; "
+        "print(tuned.TUNED[('w4a16', 4096, 4096)], tuned.TUNED_GROUPED[('w8a8', 2048, 768)])"
+    )
+    env = {**os.environ, "QARL_GPU_TUNED": path}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_sweep_json_becomes_the_tables(tmp_path):
+    """What benchmarks/gpu_sweep.py writes is what the kernels read; a broken file names itself."""
+    good = tmp_path / "tuned_gpu.json"
+    entry = {"dequant": "magic", "split_k": 8, "swap_ab": True}
+    good.write_text(
+        json.dumps({"dense": {"w4a16,4096,4096": entry}, "grouped": {"w8a8,2048,768": {"split_k": 2}}})
+    )
+    proc = _tuned_in_subprocess(str(good))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-2] == f"{entry} {{'split_k': 2}}"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"dense": {"w4a16,4096": {}}}))
+    proc = _tuned_in_subprocess(str(bad))
+    assert proc.returncode != 0 and f"GPU tuning file {bad}" in proc.stderr

@@ -37,6 +37,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -362,7 +363,7 @@ def retime_engine(mode: Mode, out: pathlib.Path, tuned: pathlib.Path, budget_s: 
     print("== engine:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, timeout=budget_s + 60, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, timeout=budget_s + 70, capture_output=True, text=True)
         tail = (proc.stdout + proc.stderr)[-3000:]
         print(tail, flush=True)
         rep = json.loads((out / "rollout.json").read_text()) if (out / "rollout.json").exists() else {}
@@ -435,6 +436,7 @@ def main() -> int:
         "--engine-budget-s", type=float, default=None, help="rollout.py's budget (default 110; dry run 20)"
     )
     ap.add_argument("--no-engine", action="store_true", help="skip re-timing the engine")
+    ap.add_argument("--deadline-s", type=float, default=390.0, help="write what there is and exit after this")
     args = ap.parse_args()
     mode = mode_of(args)
     dry = mode.name == "dry-run"
@@ -462,6 +464,17 @@ def main() -> int:
         return 0 if rep["ok"] == rep["total"] else 1
     t0 = time.perf_counter()
     res: dict = {"env": env, "xla_bf16": {}, "dense": [], "grouped": []}
+
+    def hard_stop() -> None:
+        """Past the whole budget (a hung compile or engine?): keep what there is and exit."""
+        print(f"watchdog: {args.deadline_s} s passed, writing results and exiting", flush=True)
+        (out / "tuned_gpu.json").write_text(json.dumps(winners(res), indent=1) + "\n")
+        (out / "gpu_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+        os._exit(3)
+
+    watchdog = threading.Timer(args.deadline_s, hard_stop)
+    watchdog.daemon = True
+    watchdog.start()
     sweep_dense(mode, t0 + (args.budget_s or (40 if dry else 140)), res, pool, jobs=1 if dry else 5)
     t1 = time.perf_counter()
     sweep_grouped(mode, t1 + (args.grouped_budget_s or (25 if dry else 30)), res)

@@ -139,8 +139,9 @@ def mode_of(args) -> Mode:
             "dry-run", [(256, 128)], [(128, 64, 4)], (1, 3, 16), ("bf16", "w8a8", "w4a16", "fp8"),
             64, 3, 2, 2, 1, True,
         )  # fmt: skip
-    name = "aot" if args.aot else "device"
-    return Mode(name, SHAPES, GROUPED, (1, 16, 64), tuple(VARIANTS), 128, None, 0, 16, 20, False)
+    if args.aot:  # one M: the program is the same for every M but for the count of row blocks
+        return Mode("aot", SHAPES, GROUPED, (16,), tuple(VARIANTS), 128, None, 0, 16, 20, False)
+    return Mode("device", SHAPES, GROUPED, (1, 16, 64), tuple(VARIANTS), 128, None, 0, 16, 20, False)
 
 
 def candidates(mode: Mode) -> list[tuple[str, int, int, dict]]:
@@ -241,23 +242,25 @@ def sweep_dense(mode: Mode, deadline: float, res: dict, pool, jobs: int) -> None
             print(summary_line(rec), flush=True)
 
 
-def summary_line(rec: dict) -> str:
+def describe(rec: dict) -> str:
+    """A candidate's shape and its main knobs, for the log."""
     head = f"{rec['fmt']} K={rec['K']} N={rec['N']}" + (f" E={rec['E']}" if "E" in rec else "")
-    knobs = {
-        k: v
-        for k, v in rec["cfg"].items()
-        if k in ("block_n", "block_k", "split_k", "num_stages", "swap_ab", "dequant")
-    }
+    main = ("block_n", "block_k", "split_k", "num_stages", "swap_ab", "dequant")
+    return f"{head} { {k: v for k, v in rec['cfg'].items() if k in main} }"
+
+
+def summary_line(rec: dict) -> str:
+    head = describe(rec)
     if "error" in rec:
-        return f"{head} {knobs}: ERROR {rec['error'][:300]}"
+        return f"{head}: ERROR {rec['error'][:300]}"
     if not rec.get("ok"):
-        return f"{head} {knobs}: FAILED checks {rec['checks']}"
+        return f"{head}: FAILED checks {rec['checks']}"
     speed = (
         " ".join(f"M={m}:{t:.1f}us(x{rec['x_xla'][m]:.2f})" for m, t in rec["us"].items())
         if "x_xla" in rec
         else ""
     )
-    return f"{head} {knobs}: ok {speed or {m: round(t, 1) for m, t in rec['us'].items()}}"
+    return f"{head}: ok {speed or {m: round(t, 1) for m, t in rec['us'].items()}}"
 
 
 def grouped_sizes(rows: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -414,10 +417,11 @@ def aot(mode: Mode, pool) -> dict:
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         return rec
 
-    recs = list(pool.map(compile_one, jobs))
-    for r in recs:
-        if not r["ok"]:
-            print(f"AOT FAILED {r['fmt']} K={r['K']} N={r['N']} {r['cfg']}: {r['error'][:300]}", flush=True)
+    recs = []
+    for r in pool.map(compile_one, jobs):
+        recs.append(r)
+        status = "ok" if r["ok"] else f"FAILED {r['error'][:300]}"
+        print(f"aot {len(recs)}/{len(jobs)} {describe(r)}: {status}", flush=True)
     ok = sum(r["ok"] for r in recs)
     print(f"== aot: {ok} of {len(recs)} compiles for sm_90 succeeded", flush=True)
     return {"target": "sm_90 (H200_TARGET)", "compiles": recs, "ok": ok, "total": len(recs)}

@@ -131,17 +131,23 @@ class Mode:
     min_calls: int
     iters: int
     interpret: bool
+    grouped_variants: tuple = tuple(GROUPED_VARIANTS)
+    budgets: tuple = (140.0, 30.0, 110.0)  # dense, grouped, engine (seconds)
 
 
 def mode_of(args) -> Mode:
-    if args.dry_run:
+    if args.dry_run:  # a fixed set of work, no budgets: the interpreter's speed is the host's load
         return Mode(
-            "dry-run", [(256, 128)], [(128, 64, 4)], (1, 3, 16), ("bf16", "w8a8", "w4a16", "fp8"),
-            64, 3, 2, 2, 1, True,
+            name="dry-run", shapes=[(256, 128)], grouped=[(128, 64, 4)], ms=(1, 3, 16),
+            fmts=("bf16", "w8a8", "w4a16", "fp8"), group=64, max_per=2, copies=2, min_calls=2,
+            iters=1, interpret=True, grouped_variants=(GROUPED_VARIANTS[0], GROUPED_VARIANTS[3]),
+            budgets=(1e9, 1e9, 20.0),
         )  # fmt: skip
+    device = dict(shapes=SHAPES, grouped=GROUPED, fmts=tuple(VARIANTS), group=128, max_per=None)
+    timing = dict(copies=0, min_calls=16, iters=20, interpret=False)
     if args.aot:  # one M: the program is the same for every M but for the count of row blocks
-        return Mode("aot", SHAPES, GROUPED, (16,), tuple(VARIANTS), 128, None, 0, 16, 20, False)
-    return Mode("device", SHAPES, GROUPED, (1, 16, 64), tuple(VARIANTS), 128, None, 0, 16, 20, False)
+        return Mode(name="aot", ms=(16,), **device, **timing)
+    return Mode(name="device", ms=(1, 16, 64), **device, **timing)
 
 
 def candidates(mode: Mode) -> list[tuple[str, int, int, dict]]:
@@ -288,7 +294,7 @@ def sweep_grouped(mode: Mode, deadline: float, res: dict) -> None:
             alone = np.zeros(e, np.int32)
             alone[first] = sizes[first]
             base = None
-            for c in GROUPED_VARIANTS:
+            for c in mode.grouped_variants:
                 rec: dict = {"fmt": fmt, "K": k, "N": n, "E": e, "cfg": c}
                 if time.perf_counter() > deadline:
                     res.setdefault("grouped_not_run", []).append(rec)
@@ -353,7 +359,7 @@ def winners(res: dict) -> dict:
 
 def retime_engine(mode: Mode, out: pathlib.Path, tuned: pathlib.Path, budget_s: float) -> dict:
     """``benchmarks/rollout.py`` in a subprocess reading the winners; its JSON, or why there is none."""
-    shape = ["--small-sweep", "--batches", "4", "--formats", "bf16,w4a16"] if mode.name == "dry-run" else [
+    shape = ["--small-sweep", "--batches", "4", "--formats", "w4a16"] if mode.name == "dry-run" else [
         "--gpu-shape", "--batches", "16", "--formats", "bf16,w4a16,w8a8",
     ]  # fmt: skip
     cmd = [sys.executable, str(ROOT / "benchmarks" / "rollout.py"), *shape, "--budget-s", str(budget_s)]
@@ -433,9 +439,9 @@ def main() -> int:
     how.add_argument("--dry-run", action="store_true", help="CPU, Pallas interpreter, tiny shapes (< 2 min)")
     how.add_argument("--aot", action="store_true", help="compile every variant for sm_90 with no GPU")
     ap.add_argument(
-        "--budget-s", type=float, default=None, help="dense sweep budget (default 140; dry run 40)"
+        "--budget-s", type=float, default=None, help="dense sweep budget (default 140; dry run: none)"
     )
-    ap.add_argument("--grouped-budget-s", type=float, default=None, help="default 30; dry run 25")
+    ap.add_argument("--grouped-budget-s", type=float, default=None, help="default 30; dry run: none")
     ap.add_argument(
         "--engine-budget-s", type=float, default=None, help="rollout.py's budget (default 110; dry run 20)"
     )
@@ -443,6 +449,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=390.0, help="write what there is and exit after this")
     args = ap.parse_args()
     mode = mode_of(args)
+    given_budgets = (args.budget_s, args.grouped_budget_s, args.engine_budget_s)
     dry = mode.name == "dry-run"
     if mode.name == "device" and jax.default_backend() != "gpu":
         print(
@@ -479,9 +486,10 @@ def main() -> int:
     watchdog = threading.Timer(args.deadline_s, hard_stop)
     watchdog.daemon = True
     watchdog.start()
-    sweep_dense(mode, t0 + (args.budget_s or (40 if dry else 140)), res, pool, jobs=1 if dry else 5)
+    budgets = [given or default for given, default in zip(given_budgets, mode.budgets, strict=True)]
+    sweep_dense(mode, t0 + budgets[0], res, pool, jobs=1 if dry else 5)
     t1 = time.perf_counter()
-    sweep_grouped(mode, t1 + (args.grouped_budget_s or (25 if dry else 30)), res)
+    sweep_grouped(mode, t1 + budgets[1], res)
     tuned = winners(res)
     (out / "tuned_gpu.json").write_text(json.dumps(tuned, indent=1) + "\n")
     (out / "gpu_sweep.json").write_text(json.dumps(res, indent=1, default=str))

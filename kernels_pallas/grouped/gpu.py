@@ -72,8 +72,7 @@ def configure_grouped(w: QuantizedWeight, **knobs) -> Tiling:
     """The dense tiling with the grouped table's entry for (fmt, K, N) over it (``tuned.TUNED_GROUPED``)
     and the caller's knobs over both; split-K 1 unless the entry or the caller sets it (the dense
     table's split was chosen for a dense launch, not for the expert work list)."""
-    k = w.values.shape[-2] * (2 if WEIGHT_BITS[w.fmt] == 4 else 1)
-    entry: dict = {"split_k": 1, **TUNED_GROUPED.get((w.fmt, k, w.n), {})}
+    entry: dict = {"split_k": 1, **TUNED_GROUPED.get((w.fmt, w.k, w.n), {})}
     return configure(w, **{**entry, **{name: v for name, v in knobs.items() if v is not None}})
 
 

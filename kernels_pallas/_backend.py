@@ -41,7 +41,7 @@ class Options(TypedDict, total=False):
     interpret   run the GPU/TPU kernel in Pallas' interpreter (on a CPU)
     block_rows  CPU: rows (attention: query tokens) per block
     block_m, block_n, block_k   GPU/TPU matmuls: rows, columns and K per tile / step
-    num_warps, num_stages, split_k, swap_ab, int_dot   GPU matmuls (see ``_tiling.Blocks``);
+    num_warps, num_stages, split_k, swap_ab, int_dot, dequant   GPU matmuls (see ``_tiling.Blocks``);
                 attention takes ``num_warps``
     """
 
@@ -56,6 +56,7 @@ class Options(TypedDict, total=False):
     split_k: int | None
     swap_ab: bool | None
     int_dot: str | None
+    dequant: str | None
 
 
 @contextlib.contextmanager

@@ -30,6 +30,9 @@ class Blocks:
     int_dot  "int8": int8 x int8 -> int32 MMA; "bf16": the same integers through a bf16 MMA with f32
              accumulation, exact while a step's |partial| < 2^24 (w8a8 block_k <= 1024), then int32.
              Bitwise the same result either way; only speed differs.
+    dequant  4-bit weights with float compute: "shift" (shifts and int -> float converts) or "magic"
+             (the nibble or-ed into a float's mantissa, no convert: ``kernels_pallas._dequant``).
+             The same values either way; only speed differs.
     """
 
     block_m: int
@@ -40,6 +43,7 @@ class Blocks:
     split_k: int = 1
     swap_ab: bool = False
     int_dot: str = "int8"
+    dequant: str = "shift"
 
     def override(self, allowed: tuple[str, ...] | None = None, /, **knobs: int | bool | str | None) -> Blocks:
         """These blocks with the caller's non-None knobs (only the ``allowed`` fields, if given)."""

@@ -4,7 +4,7 @@ Dropless, static shapes, per-token invariant: rows of x are sorted by expert in 
 (``group_sizes[e]`` rows for expert e) and each row's bits are the dense kernel's on that row,
 whatever the other tokens, the group sizes of the other experts, or M. Rows past
 ``sum(group_sizes)`` give zeros (as ``jax.lax.ragged_dot``). Keyword options as
-:func:`kernels_pallas.quantized_matmul`'s (the GPU kernel takes every dense knob but ``split_k``).
+:func:`kernels_pallas.quantized_matmul`'s (the GPU kernel's ``split_k`` defaults to 1, not the dense table's).
 The STE's backward walks the rows in blocks, one expert's dequantized weight at a time (dx with the
 transposed weights, dW as a transposed grouped matmul: :mod:`kernels_pallas.grouped.backward`),
 in O(rows) memory where ``lax.ragged_dot``'s transpose would expand over every expert.

@@ -5,7 +5,8 @@ Every format (see ``kernels_pallas.formats``) runs through one kernel:
   bf16   float dot, f32 accumulation over K tiles in ascending order.
   w8a8   per-token int8 activations (``common.operands``), int8 x int8 -> int32 (exact,
          order-free), y = (acc * s_x) * s_w.
-  w4a16  int4 unpacked in registers (two arithmetic shifts per byte, "group halves" layout), dot
+  w4a16  int4 unpacked in registers ("group halves" layout; shifts and converts, or the same values
+         by the magic-number trick: ``Blocks.dequant``, ``kernels_pallas._dequant``), dot
          in the activation dtype with f32 accumulation, each group's partial product scaled
          inside the K loop (acc += partial * s_g), groups in ascending order.
   w4a8   the same unpacking, int8 activations, int32 partial per group.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels_pallas._dequant import check_dequant, int4_halves
 from kernels_pallas._tiling import Blocks, fit_block, is_pow2, pow2_divisor, tiled
 from kernels_pallas._triton import MIN_TILE, compiler_params
 from kernels_pallas.formats import ACT_BITS, WEIGHT_BITS, QuantizedWeight, check_format
@@ -84,6 +86,7 @@ class Tiling:
     int_dot: str
     num_warps: int
     num_stages: int
+    dequant: str = "shift"
 
 
 def _pow2_dividing(total: int, cap: int) -> int:
@@ -102,6 +105,7 @@ def plan(w: QuantizedWeight, blocks: Blocks) -> Tiling:
         raise ValueError(f"split_k must be a power of two, got {blocks.split_k}")
     if blocks.int_dot not in ("int8", "bf16"):
         raise ValueError(f"int_dot must be 'int8' or 'bf16', got {blocks.int_dot!r}")
+    check_dequant(blocks.dequant)
     block_n, n_pad = fit_block(n, blocks.block_n, MIN_TILE)
     if WEIGHT_BITS[w.fmt] == 4:
         g = w.group_size
@@ -126,7 +130,7 @@ def plan(w: QuantizedWeight, blocks: Blocks) -> Tiling:
         int_dot = "int8"  # a bf16 MMA would no longer be exact
     return Tiling(
         blocks.block_m, block_n, n_pad, block_k, k_pad, split, blocks.swap_ab, int_dot,
-        blocks.num_warps, blocks.num_stages,
+        blocks.num_warps, blocks.num_stages, blocks.dequant,
     )  # fmt: skip
 
 
@@ -182,9 +186,7 @@ def accumulate(
     def unpacked_part(prow: jax.Array | int, col: jax.Array | int, rows: int) -> jax.Array:
         """Both halves' contribution: packed rows [prow, prow+rows) hold K rows col.. (low nibbles)
         and col+half.. (high nibbles)."""
-        p = load_w(prow, rows)
-        lo = (jnp.left_shift(p, 4) >> 4).astype(cdt)
-        hi = (p >> 4).astype(cdt)
+        lo, hi = int4_halves(load_w(prow, rows), cdt, tiling.dequant)
         return dot(load_x(col, rows).astype(cdt), lo) + dot(load_x(col + half, rows).astype(cdt), hi)
 
     def scaled(part: jax.Array, g: jax.Array | int) -> jax.Array:

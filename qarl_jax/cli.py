@@ -180,7 +180,9 @@ def add_multihost(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-processes", type=at_least(1), metavar="N", help="number of processes (hosts)")
     group.add_argument("--process-id", type=at_least(0), metavar="I", help="this process's index, 0..N-1")
     group.add_argument(
-        "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
+        "--distributed",
+        action="store_true",
+        help="let JAX detect the cluster (SLURM, ...; a multi-host Cloud TPU slice is detected without it)",
     )
 
 

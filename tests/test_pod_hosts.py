@@ -17,7 +17,10 @@ import threading
 import pytest
 
 from qarl_jax import distributed
+from qarl_jax.config import load_config
+from qarl_jax.errors import Preempted, one_line
 from qarl_jax.preemption import Watch
+from qarl_jax.train import train
 
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
@@ -208,3 +211,42 @@ def test_slice_hosts_from_the_metadata_server(monkeypatch):
     import jax
 
     assert not jax.distributed.is_initialized()
+
+
+class SigtermAfter:
+    """stderr that sends this process a SIGTERM once a line starting with ``line`` is written (the
+    loop's progress line of a step: the event the test waits for)."""
+
+    def __init__(self, stream, line: str):
+        self.stream, self.line, self.sent = stream, line, False
+
+    def write(self, text: str) -> int:
+        written = self.stream.write(text)
+        if not self.sent and text.startswith(self.line):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_path, monkeypatch):
+    """One process, no jax.distributed: a SIGTERM as step 1's progress line is written stops the
+    loop at the end of that step, with checkpoint 1 saved (run.checkpoint_every=0: no other) and
+    the one line; the same config again resumes there and finishes."""
+    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0", "run.eval_prompts=2"]
+    config = load_config(SMOKE, [*overrides, "run.progress=true", "run.log_every=1"])
+    monkeypatch.setattr(sys, "stderr", SigtermAfter(sys.stderr, "qarl: step 1/3"))
+    with pytest.raises(Preempted) as stopped:
+        train(config)
+    monkeypatch.undo()
+    assert stopped.value.exit_code == PREEMPTED
+    assert one_line(stopped.value) == (
+        f"qarl: preempted: every process stopped after step 1 and saved it in "
+        f"{tmp_path / 'checkpoints' / '1'}; run the same command again to resume from there"
+    )
+    assert [m["step"] for m in rows(tmp_path)] == [0, 1]
+    result = train(config)
+    assert result.summary["resumed_from"] == 1
+    assert [m["step"] for m in rows(tmp_path)] == [0, 1, 2, 3]

@@ -27,7 +27,7 @@ SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
 # the smallest run that has a step 3 to be preempted after and steps left to resume; no regular
 # checkpoint (checkpoint_every=0): only the preemption's save can resume it; progress lines on
 # stderr are the event the test waits for
-OVERRIDES = ["run.steps=6", "run.eval_prompts=2", "run.eval_samples=1", "run.checkpoint_every=0"]
+OVERRIDES = ["run.steps=6", "run.eval_prompts=2", "run.checkpoint_every=0", "rollout.max_new_tokens=16"]
 OVERRIDES += ["run.progress=true", "run.log_every=1"]
 PREEMPTED, HOSTS = 75, 7
 
@@ -104,6 +104,7 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # three two-process runs, each compiling on a shared 2-core machine
 def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
     results = finish(start(str(uninterrupted), [REPO, REPO], tmp_path, "whole"), tmp_path, "whole")
@@ -231,6 +232,7 @@ class SigtermAfter:
         return getattr(self.stream, name)
 
 
+@pytest.mark.slow
 def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_path, monkeypatch):
     """One process, no jax.distributed: a SIGTERM as step 1's progress line is written stops the
     loop at the end of that step, with checkpoint 1 saved (run.checkpoint_every=0: no other) and

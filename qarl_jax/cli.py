@@ -39,6 +39,10 @@ EXIT_CODES = {
     5: "output: a path the command must write that is in use, not writable, or would replace a run; "
     "an OS error on a file",
     6: "grader: a grader that returned a score outside [0, 1]",
+    7: "hosts: the processes of a multi-host run do not see one run directory (set a shared "
+    "run.output_dir, a gs:// bucket path on a Cloud TPU pod)",
+    75: "preempted (SIGTERM on any host, or JAX's preemption notice): every process saved the same "
+    "step; the same command resumes from it",
     130: "interrupted (Ctrl-C); the message says where a rerun resumes",
 }
 # a value that is a key=value override (``run.steps=3``): an option given it swallowed an override
@@ -176,7 +180,9 @@ def add_multihost(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-processes", type=at_least(1), metavar="N", help="number of processes (hosts)")
     group.add_argument("--process-id", type=at_least(0), metavar="I", help="this process's index, 0..N-1")
     group.add_argument(
-        "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
+        "--distributed",
+        action="store_true",
+        help="let JAX detect the cluster (SLURM, ...; a multi-host Cloud TPU slice is detected without it)",
     )
 
 

@@ -32,6 +32,9 @@ import dataclasses
 import functools
 import json
 import os
+import sys
+import urllib.request
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -59,6 +62,54 @@ def _env_int(name: str) -> int | None:
         raise DistributedError(f"{name}={raw!r} is not an integer") from None
 
 
+# where a Cloud TPU slice lists its hosts: GKE's variables (what JAX's GKE detection reads), else
+# the GCE metadata attribute of a TPU VM (what JAX's GCE detection reads), comma-separated
+TPU_HOSTS_ENV = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+TPU_HOSTS_METADATA = "worker-network-endpoints"
+
+
+def tpu_slice_hosts(environ: Mapping[str, str], metadata: Callable[[str], str | None]) -> int:
+    """How many hosts the Cloud TPU slice(s) of this VM hold, from what the VM states: the host list
+    of $TPU_PROCESS_ADDRESSES / $TPU_WORKER_HOSTNAMES (GKE) or else ``metadata`` (the TPU VM's
+    metadata server: ``worker-network-endpoints``), times $MEGASCALE_NUM_SLICES (multislice). 1 for
+    one host, or when nothing lists any."""
+    hosts = next((environ[k] for k in TPU_HOSTS_ENV if environ.get(k)), None) or metadata(TPU_HOSTS_METADATA)
+    if not hosts or not hosts.strip():
+        return 1
+    slices = environ.get("MEGASCALE_NUM_SLICES") or "1"
+    if not slices.isdigit():
+        raise DistributedError(f"MEGASCALE_NUM_SLICES={slices!r} is not an integer")
+    return len(hosts.strip().split(",")) * int(slices)
+
+
+def gce_metadata(key: str) -> str | None:
+    """An instance attribute from the GCE metadata server (at $GCE_METADATA_IP when set, as JAX
+    reads it); None when there is none or the server cannot be reached."""
+    host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    url = f"http://{host}/computeMetadata/v1/instance/attributes/{key}"
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode()
+    except (OSError, ValueError):  # HTTPError (no such attribute) and URLError are OSErrors
+        return None
+
+
+def on_cloud_tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM that JAX will use: ``import jax`` found TPU chips on the PCI
+    bus and libtpu (its own test, kept in ``jax._src.cloud_tpu_init``), and JAX_PLATFORMS allows
+    TPUs."""
+    from jax._src import cloud_tpu_init
+
+    platforms = getattr(jax.config, "jax_platforms", None) or "tpu"  # untyped in JAX's stubs
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False)) and "tpu" in platforms
+
+
+def slice_hosts() -> int:
+    """:func:`tpu_slice_hosts` of this machine: 1 anywhere but a Cloud TPU VM (no network asked)."""
+    return tpu_slice_hosts(os.environ, gce_metadata) if on_cloud_tpu_vm() else 1
+
+
 def maybe_initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -67,13 +118,18 @@ def maybe_initialize(
 ) -> None:
     """Join the process group the arguments (else $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES,
     $JAX_PROCESS_ID) describe; ``auto``: let JAX detect it (Cloud TPU, SLURM, Open MPI,
-    Kubernetes). Nothing to do for one process. Must run before anything touches a device."""
+    Kubernetes). With nothing given on a Cloud TPU VM of a multi-host slice (:func:`slice_hosts`),
+    ``auto`` is implied: every host of a slice must join, and a flag is easy to forget. Nothing to
+    do for one process. Must run before anything touches a device."""
     coordinator = coordinator or os.environ.get(ENV["coordinator"])
     if num_processes is None:
         num_processes = _env_int(ENV["num_processes"])
     if process_id is None:
         process_id = _env_int(ENV["process_id"])
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if not auto and all(v is None for v in given.values()) and (hosts := slice_hosts()) > 1:
+        print(f"qarl: a Cloud TPU slice of {hosts} hosts: joining them (jax.distributed)", file=sys.stderr)
+        auto = True
     if not auto:
         if num_processes == 1 or all(v is None for v in given.values()):
             return

@@ -9,7 +9,8 @@ environment), so existing ``except ValueError`` code keeps working.
 
 Each class's ``exit_code`` is the code of its kind of fault, the same in every command
 (:data:`qarl_jax.cli.EXIT_CODES` is the table): 2 usage or config, 3 checkpoint or model, 4 data,
-5 output, 6 grader, 130 interrupted.
+5 output, 6 grader, 7 hosts that do not share the run directory, 75 preempted (saved: rerun), 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -89,6 +90,22 @@ class ServeError(QarlError, RuntimeError):
     exit_code = 2
 
 
+class HostsError(QarlError, RuntimeError):
+    """The processes of a multi-host run do not see one run directory (each host's own disk, not a
+    shared one); the message names the processes and hosts that disagree and what to set."""
+
+    exit_code = 7
+
+
+class Preempted(QarlError):
+    """The run stopped at a preemption notice (SIGTERM, on any host) after saving a checkpoint at the
+    step every process agreed on; the same command resumes from it. 75 is sysexits.h's EX_TEMPFAIL
+    ("a temporary failure: retry"), so a launcher can tell a saved stop from a crash (1) or a kill
+    by the signal itself (143)."""
+
+    exit_code = 75
+
+
 class Interrupted(QarlError):
     """The run was stopped (Ctrl-C); the message says which checkpoint a rerun resumes from."""
 
@@ -100,4 +117,4 @@ def one_line(error: QarlError) -> str:
     (``CheckpointError`` -> "checkpoint error: ..."), on one line."""
     kind = " ".join(w.lower() for w in re.findall(r"[A-Z][a-z]*", type(error).__name__))
     message = " ".join(str(error).split("\n"))
-    return f"{kind}: {message}" if kind != "interrupted" else f"qarl: {message}"
+    return f"qarl: {message}" if isinstance(error, Interrupted | Preempted) else f"{kind}: {message}"

@@ -8,12 +8,15 @@ resumes from the run directory's latest checkpoint.
 
 On N hosts, run the same command on each with ``--coordinator HOST:PORT --num-processes N
 --process-id I`` (or $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID), or with
-``--distributed`` where JAX detects the cluster itself (Cloud TPU, SLURM, ...); the run directory
-must be the same (shared) path on every host. See :mod:`qarl_jax.distributed`.
+``--distributed`` where JAX detects the cluster itself (SLURM, ...); on a multi-host Cloud TPU slice
+the hosts are detected without a flag. The run directory must be one that every host reaches (a
+bucket, a shared filesystem): hosts that do not share it are refused before any work (exit 7). A
+SIGTERM on any host stops every process after the same step, saved (exit 75). See
+:mod:`qarl_jax.distributed`, :mod:`qarl_jax.hosts`, :mod:`qarl_jax.preemption`.
 
 Every error a user can cause ends the command with one line on stderr and a non-zero exit code,
 the same in every command (:data:`qarl_jax.cli.EXIT_CODES`: 2 usage or config, 3 checkpoint, 4
-data, 5 output, 6 grader, 130 Ctrl-C).
+data, 5 output, 6 grader, 7 hosts apart, 75 preempted, 130 Ctrl-C).
 
 On Linux with glibc the command first re-executes itself once with malloc thresholds that keep
 XLA:CPU's per-call temporaries in the heap (:mod:`qarl_jax.heap`; a ``GLIBC_TUNABLES`` of your own
@@ -60,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--process-id", type=cli.at_least(0), metavar="I", help="this process's index, 0..N-1")
     group.add_argument(
-        "--distributed", action="store_true", help="let JAX detect the cluster (Cloud TPU, ...)"
+        "--distributed",
+        action="store_true",
+        help="let JAX detect the cluster (SLURM, ...; a multi-host Cloud TPU slice is detected without it)",
     )
     return parser
 

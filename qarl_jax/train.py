@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from qarl_jax import distributed, rundir, runlog, sharding
+from qarl_jax import distributed, hosts, preemption, rundir, runlog, sharding
 from qarl_jax.build import (
     build_engine,
     build_policy,
@@ -44,7 +44,7 @@ from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import Config, to_dict
 from qarl_jax.data import build_pipeline
 from qarl_jax.data.templates import stop_strings
-from qarl_jax.errors import CheckpointError, ConfigError, Interrupted
+from qarl_jax.errors import CheckpointError, ConfigError, Interrupted, Preempted
 from qarl_jax.heldout_eval import Evaluator, score
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.progress import StepReport
@@ -276,10 +276,13 @@ def train(config: Config) -> Result:
 
     Everything that can be checked without the model is checked first (mesh, model files, data
     files, the run directory, the checkpoint's config), and nothing is written to the run directory
-    before the resume decision (:mod:`qarl_jax.rundir`)."""
+    before the resume decision (:mod:`qarl_jax.rundir`) but the hosts' check that they share it
+    (:mod:`qarl_jax.hosts`). A preemption notice stops every process at one step, saved
+    (:mod:`qarl_jax.preemption`)."""
     primary = distributed.is_primary()
     run_dir = pathlib.Path(config.run.output_dir)
     rundir.check_output_dir(run_dir)
+    hosts.check_shared(run_dir)
     training_devices, rollout_devices = device_groups(config.rollout.devices)
     mesh = _mesh(config, training_devices)
     _check_batch_split(config, mesh)
@@ -290,7 +293,7 @@ def train(config: Config) -> Result:
     data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
     held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
     lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
-    with lock:
+    with lock, preemption.Watch() as watch:
         ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
         latest = ckpt.check_resumable()
         if primary:
@@ -299,7 +302,8 @@ def train(config: Config) -> Result:
             begin = f"resuming from {ckpt.directory / str(latest)}" if latest else "starting at step 0"
             rundir.say(f"{run_dir}: {begin}; building the policy and compiling (the first step is slow)")
         try:
-            return _train(config, run_dir, (mesh, engine_mesh), tokenizer, data, held_out, ckpt, primary)
+            meshes = (mesh, engine_mesh)
+            return _train(config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary, watch)
         except KeyboardInterrupt:
             ckpt.close()  # the saves already started are committed
             step = ckpt.latest_step()
@@ -363,7 +367,9 @@ def _restore_data(config: Config, data, saved: dict, where: str) -> deque[Produc
     return deque(Produced.from_json(p) for p in local["pending"])
 
 
-def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary: bool) -> Result:
+def _train(
+    config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, primary: bool, watch: preemption.Watch
+) -> Result:
     mesh, engine_mesh = meshes  # the trainer's (global) and the rollout engine's (this process's)
     place = functools.partial(distributed.local_replica, global_mesh=mesh, mesh=distributed.local_mesh(mesh))
     k = config.rollout.async_steps
@@ -418,8 +424,16 @@ def _train(config: Config, run_dir, meshes, tokenizer, data, held_out, ckpt, pri
                     log.write(metrics)
                 report.step(done, metrics)
                 every = config.run.checkpoint_every
-                if done == config.run.steps or (every and done % every == 0):
+                # every process asks after every step (the sync point counts them); the last step ends anyway
+                preempted = watch.reached(done) and done < config.run.steps
+                if done == config.run.steps or (every and done % every == 0) or preempted:
                     _save(ckpt, done, state, data, pending, config.seed)
+                if preempted:
+                    ckpt.close()  # committed before the message says so
+                    raise Preempted(
+                        f"preempted: every process stopped after step {done} and saved it in "
+                        f"{ckpt.directory / str(done)}; run the same command again to resume from there"
+                    )
             ckpt.close()
         finally:
             report.close()

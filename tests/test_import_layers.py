@@ -24,6 +24,8 @@ LIFECYCLE = (
     "runlog",
     "train",
     "heldout_eval",
+    "hosts",
+    "preemption",
 )
 ENTRY = ("main", "serve", "sft", "evaluate", "tools", "experiments")
 FLOORS = [("quant",), ("models",), ("data", "rewards"), ("rollout",), ("rl",), LIFECYCLE, ENTRY]

@@ -24,6 +24,7 @@ from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.errors import ConfigError, RunDirError
 from qarl_jax.tools import verify_checkpoint
+from qarl_jax.tools.export import export_checkpoint
 from qarl_jax.train import train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
@@ -115,7 +116,24 @@ def test_the_bucket_checkpoint_restores_the_state_exactly_and_the_run_resumes_fr
     assert resumed.summary["resumed_from"] == 2
     lines = (run / "metrics.jsonl").read_text()
     assert lines.startswith(before) and [json.loads(x)["step"] for x in lines.splitlines()] == [0, 1, 2, 3]
-    assert {e.step for e in events(run / "tb") if e.summary.value} == {1, 2, 3}
+    assert {e.step for e in events(run / "tb") for v in e.summary.value if v.tag == "reward_mean"} == {
+        1,
+        2,
+        3,
+    }
+
+
+def test_a_run_in_a_bucket_exports_to_a_bucket_as_to_a_disk(bucket_run, gcs_bucket, tmp_path):
+    """``tools.export`` (the code of ``--export-hf``/``--export-compressed-tensors``) from
+    ``gs://`` to ``gs://`` writes the bytes it writes to a local directory."""
+    run, _, _ = bucket_run
+    step = export_checkpoint(f"{run}/checkpoints/2", f"{gcs_bucket}/export")
+    assert step == export_checkpoint(f"{run}/checkpoints/2", tmp_path / "export") == 2
+    local = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert objects(epath.Path(f"{gcs_bucket}/export")) == local and "model.safetensors" in local
+    for name in local:
+        remote = epath.Path(f"{gcs_bucket}/export/{name}")
+        assert remote.read_bytes() == (tmp_path / "export" / name).read_bytes(), name
 
 
 def test_verify_checkpoint_and_the_damaged_checkpoint_fallback_in_a_bucket(bucket_run, capsys):

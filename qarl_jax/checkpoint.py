@@ -166,7 +166,9 @@ def read_failure(e: BaseException, where: epath.Path) -> DamagedCheckpoint:
     while cause is not None and len(chain) < 8:
         chain.append(str(cause))
         cause = cause.__cause__ or cause.__context__
-    arrays = re.findall(r"'path': '([^'/][^']*)/'", "\n".join(chain))
+    # the array's key in the OCDBT store; not the state directory's own key in a bucket's kvstore
+    found = re.findall(r"'path': '([^'/][^']*)/'", "\n".join(chain))
+    arrays = [a for a in found if not f"{where}/state".endswith(a)]
     if arrays:
         return DamagedCheckpoint(
             f"{where}/state: array {arrays[0]} cannot be read back (its data file under {where}/state is "
@@ -360,7 +362,7 @@ class Checkpointer:
                 target = self.damaged_directory / str(step)
                 if target.exists():
                     target.rmtree()
-                (self.directory / str(step)).rename(target)
+                storage.move(self.directory / str(step), target)
         self._manager.reload()
 
     def close(self) -> None:

@@ -87,6 +87,16 @@ def upload_tree(local: str, remote: epath.Path) -> None:
             epath.Path(source).copy(target, overwrite=True)
 
 
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Move a file or a directory tree to ``target``. In a bucket object by object through gcsfs
+    (copy, then delete): a bucket has no folders, and epath's ``rename`` refuses a target whose
+    parent "folder" holds no object yet (measured: moving a damaged checkpoint aside failed so)."""
+    if is_remote(source):
+        fsspec.filesystem("gcs").mv(os.fspath(source), os.fspath(target), recursive=True)
+    else:
+        source.rename(target)
+
+
 @contextlib.contextmanager
 def staged(out: epath.Path) -> Iterator[epath.Path]:
     """A local directory to write ``out``'s files into: ``out`` itself when it is local; for a

@@ -151,7 +151,8 @@ def test_verify_checkpoint_and_the_damaged_checkpoint_fallback_in_a_bucket(bucke
     blob[len(blob) // 3 : len(blob) // 3 + 4096] = bytes(4096)
     (newest / "state" / data).write_bytes(bytes(blob))
     assert verify_checkpoint.main([os.fspath(run)]) == 1
-    assert f"DAMAGED {newest}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"DAMAGED {newest}" in out and "array run/" not in out  # an array, not the directory
     config = load_config(SMOKE, [f"run.output_dir={run}"])
     ckpt = Checkpointer(run / "checkpoints", 3, to_dict(config))
     assert ckpt.restore(result.state).step == steps[-2]

@@ -21,12 +21,12 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from etils import epath
-
-from qarl_jax import storage
 from qarl_jax.errors import OutputError, QarlError, one_line
+
+if TYPE_CHECKING:  # etils and fsspec load with the first path checked, not with --help
+    from etils import epath
 
 USAGE = 2  # a bad argument: argparse's own code, kept
 OS_ERROR = OutputError.exit_code  # an OS error on a file the command writes or reads
@@ -98,6 +98,8 @@ def writable_dir(path: str | os.PathLike, what: str) -> epath.Path:
     """``path`` as a directory this process can write into (created, with its parents; in a bucket,
     ``gs://``, an object written and deleted), or an :class:`OutputError` naming ``what`` (the option
     or key) and why not; a URL of another scheme is a :class:`ConfigError` (:mod:`qarl_jax.storage`)."""
+    from qarl_jax import storage
+
     out = storage.parse(path, what)
     if storage.is_remote(out):
         probe = out / ".qarl-write-check"

@@ -23,6 +23,7 @@ from qarl_jax import rundir, storage
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.errors import ConfigError, RunDirError
+from qarl_jax.main import main
 from qarl_jax.tools import verify_checkpoint
 from qarl_jax.tools.export import export_checkpoint
 from qarl_jax.train import train
@@ -169,6 +170,11 @@ def test_the_bucket_lock_refuses_a_second_holder_and_takes_over_from_a_gone_one(
     with rundir.BucketLock(run):
         with pytest.raises(RunDirError, match=rf"in use by another run \(pid {os.getpid()} on host "):
             rundir.BucketLock(run).__enter__()
+        # the command: one line, exit 5, before any training
+        assert main(["--config", str(SMOKE), f"run.output_dir={run}"]) == 5
+        err = capfd.readouterr().err.strip().splitlines()
+        assert f"{run} is in use by another run (pid {os.getpid()} on host" in err[-1]
+        assert "Traceback" not in "\n".join(err) and objects(run) == [rundir.LOCK_FILE]
     assert not (run / rundir.LOCK_FILE).exists()  # released: deleted
     # a holder killed (SIGKILL) on this host: its pid is not running
     holder = "from qarl_jax import rundir, storage; import time\n"

@@ -13,6 +13,7 @@ import json
 import pathlib
 
 import jax
+from etils import epath
 from jax.sharding import Mesh
 
 from kernels_pallas.gpu_support import check_gpu_format
@@ -88,7 +89,7 @@ def quant_group_sizes(spec: QuantSpec, arch: TransformerConfig) -> dict[str, int
         raise ConfigError(f"quant: {e}") from None
 
 
-def is_hf_dir(path: pathlib.Path) -> bool:
+def is_hf_dir(path: epath.Path | pathlib.Path) -> bool:
     """Whether ``path`` holds a Hugging Face model's config.json."""
     try:
         config = json.loads((path / "config.json").read_text())
@@ -97,7 +98,7 @@ def is_hf_dir(path: pathlib.Path) -> bool:
     return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
 
 
-def run_checkpoint(path: pathlib.Path) -> tuple[pathlib.Path, int | None] | None:
+def run_checkpoint(path: epath.Path) -> tuple[epath.Path, int | None] | None:
     """(run directory, step or None for the newest) when ``path`` is a training run's directory or
     one step of it (``RUN/checkpoints/23``); None for anything else."""
     if path.name.isdigit() and path.parent.name == "checkpoints":
@@ -107,7 +108,7 @@ def run_checkpoint(path: pathlib.Path) -> tuple[pathlib.Path, int | None] | None
     return None
 
 
-def restore_policy(run_dir: pathlib.Path, step: int | None) -> tuple[Config, Qwen3ForCausalLM, dict, int]:
+def restore_policy(run_dir: epath.Path, step: int | None) -> tuple[Config, Qwen3ForCausalLM, dict, int]:
     """The run's config, policy and master weights of checkpoint ``step`` (None: the newest
     intact), restored (fingerprints checked) onto a mesh of every device JAX sees instead of the
     run's (a run's weights are evaluated or exported on whatever machine is at hand); and the step."""

@@ -29,7 +29,6 @@ import hashlib
 import json
 import pathlib
 import re
-import shutil
 import sys
 import traceback
 from typing import Any
@@ -38,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax import lax
 
+from qarl_jax import storage
 from qarl_jax.errors import CheckpointError
 from qarl_jax.rl.train_step import TrainState
 
@@ -157,7 +158,7 @@ def first_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
-def read_failure(e: BaseException, where: pathlib.Path) -> DamagedCheckpoint:
+def read_failure(e: BaseException, where: epath.Path) -> DamagedCheckpoint:
     """A failed orbax read as a one-line report naming the array whose data did not decode (from
     TensorStore's spec in the message: its key inside the OCDBT store) and the state directory."""
     chain: list[str] = []
@@ -165,7 +166,9 @@ def read_failure(e: BaseException, where: pathlib.Path) -> DamagedCheckpoint:
     while cause is not None and len(chain) < 8:
         chain.append(str(cause))
         cause = cause.__cause__ or cause.__context__
-    arrays = re.findall(r"'path': '([^'/][^']*)/'", "\n".join(chain))
+    # the array's key in the OCDBT store; not the state directory's own key in a bucket's kvstore
+    found = re.findall(r"'path': '([^'/][^']*)/'", "\n".join(chain))
+    arrays = [a for a in found if not f"{where}/state".endswith(a)]
     if arrays:
         return DamagedCheckpoint(
             f"{where}/state: array {arrays[0]} cannot be read back (its data file under {where}/state is "
@@ -208,7 +211,7 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def compare(saved: dict[str, dict], restored: dict[str, dict], where: pathlib.Path) -> None:
+def compare(saved: dict[str, dict], restored: dict[str, dict], where: epath.Path) -> None:
     """Raise :class:`DamagedCheckpoint` naming the arrays whose fingerprints differ."""
     bad = [name for name, info in saved.items() if restored.get(name) != info]
     if bad:
@@ -220,10 +223,11 @@ def compare(saved: dict[str, dict], restored: dict[str, dict], where: pathlib.Pa
 
 
 class Checkpointer:
-    """Owns the run's ``CheckpointManager`` (``<output_dir>/checkpoints``)."""
+    """Owns the run's ``CheckpointManager`` (``<output_dir>/checkpoints``), local or ``gs://``
+    (orbax writes a bucket through TensorStore; :mod:`qarl_jax.storage`)."""
 
-    def __init__(self, directory: str | pathlib.Path, keep: int, config: dict):
-        self.directory = pathlib.Path(directory).absolute()
+    def __init__(self, directory: str | pathlib.Path | epath.Path, keep: int, config: dict):
+        self.directory = storage.absolute(epath.Path(directory))
         self.config = config
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         try:
@@ -232,7 +236,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.directory}: not a usable checkpoint directory ({e})") from e
 
     @property
-    def damaged_directory(self) -> pathlib.Path:
+    def damaged_directory(self) -> epath.Path:
         """Where damaged checkpoints are moved (beside the checkpoints, out of orbax's sight)."""
         return self.directory.with_name(self.directory.name + "_damaged")
 
@@ -357,8 +361,8 @@ class Checkpointer:
             for step in steps:
                 target = self.damaged_directory / str(step)
                 if target.exists():
-                    shutil.rmtree(target)
-                shutil.move(self.directory / str(step), target)
+                    target.rmtree()
+                storage.move(self.directory / str(step), target)
         self._manager.reload()
 
     def close(self) -> None:

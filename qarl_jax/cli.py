@@ -21,9 +21,12 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from qarl_jax.errors import OutputError, QarlError, one_line
+
+if TYPE_CHECKING:  # etils and fsspec load with the first path checked, not with --help
+    from etils import epath
 
 USAGE = 2  # a bad argument: argparse's own code, kept
 OS_ERROR = OutputError.exit_code  # an OS error on a file the command writes or reads
@@ -95,21 +98,33 @@ def os_error(e: OSError) -> str:
     return f"{' -> '.join(map(str, paths))}: {reason}" if paths else reason
 
 
-def writable_dir(path: str | os.PathLike, what: str) -> pathlib.Path:
-    """``path`` as a directory this process can write into (created, with its parents), or an
-    :class:`OutputError` naming ``what`` (the option or key) and why not."""
-    path = pathlib.Path(path)
+def writable_dir(path: str | os.PathLike, what: str) -> epath.Path:
+    """``path`` as a directory this process can write into (created, with its parents; in a bucket,
+    ``gs://``, an object written and deleted), or an :class:`OutputError` naming ``what`` (the option
+    or key) and why not; a URL of another scheme is a :class:`ConfigError` (:mod:`qarl_jax.storage`)."""
+    from qarl_jax import storage
+
+    out = storage.parse(path, what)
+    if storage.is_remote(out):
+        probe = out / ".qarl-write-check"
+        try:
+            probe.write_text("")
+            probe.unlink()
+        except Exception as e:  # no bucket, credentials, permission: the client's own words
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise OutputError(f"{what} {out}: not writable ({reason})") from None
+        return out
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise OutputError(f"{what} {path} exists and is not a directory") from None
+        raise OutputError(f"{what} {out} exists and is not a directory") from None
     except OSError as e:
-        raise OutputError(f"{what} {path}: cannot create it ({_why(e)})") from None
+        raise OutputError(f"{what} {out}: cannot create it ({_why(e)})") from None
     try:  # a real write: permission bits say nothing for root, or on a read-only mount
-        tempfile.TemporaryFile(dir=path).close()
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
-        raise OutputError(f"{what} {path}: not writable ({_why(e)})") from None
-    return path
+        raise OutputError(f"{what} {out}: not writable ({_why(e)})") from None
+    return out
 
 
 def writable_file(path: str | os.PathLike, what: str, suffixes: Sequence[str] = ()) -> pathlib.Path:

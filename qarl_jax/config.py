@@ -7,7 +7,7 @@ Validation is strict: an unknown key lists the valid ones, a wrong type names th
 from __future__ import annotations
 
 import dataclasses
-import pathlib
+import os
 import types
 import typing
 import warnings
@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from qarl_jax import storage
 from qarl_jax.data import DataConfig, SyntheticConfig
 from qarl_jax.errors import ConfigError
 from qarl_jax.models.config import PRESETS, REMAT_POLICIES
@@ -335,25 +336,26 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def load_config(
-    path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = (), cls=Config
+    path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), cls=Config
 ):
-    """Embedded defaults <- YAML file <- overrides, validated into ``cls``."""
+    """Embedded defaults <- YAML file (local or gs://, :mod:`qarl_jax.storage`) <- overrides,
+    validated into ``cls``."""
     values = to_dict(cls())
     if path is not None:
-        path = pathlib.Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
-        if path.is_dir():
-            raise ConfigError(f"config file {path} is a directory; name a YAML file")
+        source = storage.parse(path, "config file")
+        if not source.exists():
+            raise ConfigError(f"config file {source} does not exist")
+        if source.is_dir():
+            raise ConfigError(f"config file {source} is a directory; name a YAML file")
         try:
-            from_file = yaml.safe_load(path.read_text()) or {}
+            from_file = yaml.safe_load(source.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML ({yaml_problem(e)})") from e
+            raise ConfigError(f"{source}: invalid YAML ({yaml_problem(e)})") from e
         except (OSError, UnicodeDecodeError) as e:
             reason = getattr(e, "strerror", None) or "not a text file"
-            raise ConfigError(f"config file {path} cannot be read ({reason})") from e
+            raise ConfigError(f"config file {source} cannot be read ({reason})") from e
         if not isinstance(from_file, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+            raise ConfigError(f"{source}: the top level must be a mapping")
         values = _merge(values, from_file)
     values = _merge(values, parse_overrides(list(overrides)))
     return _build(cls, values)

@@ -87,32 +87,35 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    export_hf = export_ct = None  # local or gs:// (qarl_jax.storage), checked before the run, not after it
     if args.export_hf:
-        cli.writable_dir(args.export_hf, "--export-hf")  # before the run, not after it
+        export_hf = cli.writable_dir(args.export_hf, "--export-hf")
     if args.export_compressed_tensors:
         from qarl_jax.models.compressed_tensors import check_exportable
 
         check_exportable(config.quant)
-        cli.writable_dir(args.export_compressed_tensors, "--export-compressed-tensors")
+        export_ct = cli.writable_dir(args.export_compressed_tensors, "--export-compressed-tensors")
     _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    from qarl_jax import storage
     from qarl_jax.build import build_tokenizer
     from qarl_jax.models import save_pretrained
     from qarl_jax.train import train
 
     result = train(config)
-    if args.export_hf:
+    if export_hf is not None:
         params = distributed.gather(result.state.params)  # every process: the whole weights
         if distributed.is_primary():
-            save_pretrained(args.export_hf, result.model.config, params, build_tokenizer(config))
-    if args.export_compressed_tensors:
+            with storage.staged(export_hf) as out:
+                save_pretrained(out, result.model.config, params, build_tokenizer(config))
+    if export_ct is not None:
         from qarl_jax.models.compressed_tensors import save_compressed
         from qarl_jax.rollout.layout import freeze
 
         frozen = distributed.gather(freeze(result.state.params, config.quant, result.model))
         if distributed.is_primary():
-            out, tokenizer = args.export_compressed_tensors, build_tokenizer(config)
-            save_compressed(out, result.model.config, frozen, config.quant, tokenizer)
+            with storage.staged(export_ct) as out:
+                save_compressed(out, result.model.config, frozen, config.quant, build_tokenizer(config))
     print(json.dumps(result.summary, indent=2))
     return 0
 

@@ -6,6 +6,7 @@ held-out evals (``eval/...``, ``eval_bf16/...``) on eval steps. Keys come and go
 of the trainer, so a key a row lacks reads as NaN and a key no row has as an empty series.
 :class:`MetricsLog` is the writer, beside its reader so the two agree on the format. Pure numpy +
 json: no JAX, no pandas (the writer imports tensorboardX, or wandb, only when a run logs there).
+A run directory may be in a bucket (``gs://``, :mod:`qarl_jax.storage`): reader and writer alike.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import hashlib
 import json
 import math
 import pathlib
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
+from qarl_jax import storage
 from qarl_jax.errors import ConfigError, RunLogError
 
 EVAL_PREFIXES = ("eval/", "eval_bf16/")
@@ -41,7 +46,7 @@ class RunLog:
     training) in the same form.
     """
 
-    path: pathlib.Path
+    path: epath.Path
     name: str  # label for plots: the directory's name (see load_runs for collisions)
     config: dict[str, Any]  # config.json; {} for a run directory without one
     rows: list[dict[str, float]]
@@ -63,7 +68,7 @@ def _table(rows: Sequence[dict[str, float]], keys: Iterable[str]) -> dict[str, n
     return {k: np.array([row.get(k, math.nan) for row in rows], np.float64) for k in ["step", *keys]}
 
 
-def _read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
+def _read_metrics(path: epath.Path) -> list[dict[str, float]]:
     rows = []
     with path.open() as f:
         for lineno, line in enumerate(f, start=1):
@@ -85,11 +90,11 @@ def _read_metrics(path: pathlib.Path) -> list[dict[str, float]]:
     return rows
 
 
-def load_run(run_dir: str | pathlib.Path) -> RunLog:
+def load_run(run_dir: str | pathlib.Path | epath.Path) -> RunLog:
     """Read one run directory (``config.json`` optional, ``metrics.jsonl`` required)."""
-    path = pathlib.Path(run_dir)
+    path = storage.parse(run_dir, "run directory")
     if not path.is_dir():
-        raise RunLogError(f"{path}: no such run directory (resolved: {path.resolve()})")
+        raise RunLogError(f"{path}: no such run directory (resolved: {_resolved(path)})")
     metrics_file = path / "metrics.jsonl"
     if not metrics_file.is_file():
         raise RunLogError(f"{path}: no metrics.jsonl (not a run directory, or the run has not started)")
@@ -106,7 +111,7 @@ def load_run(run_dir: str | pathlib.Path) -> RunLog:
     eval_rows = [row for row in rows if any(is_eval_key(k) for k in row)]
     return RunLog(
         path=path,
-        name=path.resolve().name,
+        name=_resolved(path).name,
         config=config,
         rows=rows,
         metrics=_table(train_rows, [k for k in keys if not is_eval_key(k)]),
@@ -114,11 +119,15 @@ def load_run(run_dir: str | pathlib.Path) -> RunLog:
     )
 
 
-def load_runs(run_dirs: Iterable[str | pathlib.Path]) -> list[RunLog]:
+def _resolved(path: epath.Path) -> epath.Path:
+    return path if storage.is_remote(path) else path.resolve()
+
+
+def load_runs(run_dirs: Iterable[str | pathlib.Path | epath.Path]) -> list[RunLog]:
     """Read several run directories. Runs whose directory names collide are named by as many
     trailing path components as it takes to tell them apart (``a/default``, ``b/default``)."""
     runs = [load_run(d) for d in run_dirs]
-    parts = [r.path.resolve().parts for r in runs]
+    parts = [_resolved(r.path).parts for r in runs]
     named = []
     for run, own in zip(runs, parts, strict=True):
         depth = 1
@@ -137,15 +146,31 @@ class MetricsLog:
     are flushed every step, so a killed run loses none that its checkpoint covers. With ``wandb``
     (``{"project": ..., "name": ...}``) the numbers also go to a Weights & Biases run (files under
     ``wandb/``; ``WANDB_MODE=offline`` keeps them local), whose id is derived from the run directory
-    so a resumed run continues the same W&B run; wandb is imported only then."""
+    so a resumed run continues the same W&B run; wandb is imported only then.
+
+    In a bucket (``gs://``) objects are immutable: nothing can be appended. This log keeps the
+    run's lines and rewrites the whole object at every step (chosen over one object per chunk: the
+    run directory keeps the one ``metrics.jsonl`` every reader, ``gcloud storage cat`` included,
+    reads as it is, and a rewrite is atomic, so a crash loses no line written before it and tears
+    none; the cost, about 3 KB a line re-sent per step, is nothing beside a pod step's minutes).
+    TensorBoard's event file is written to a local temporary directory and uploaded to ``tb/`` the
+    same way at each step: tensorboardX's own ``gs://`` writer re-uploads its buffer again when it
+    is garbage-collected after ``close`` (at exit, with retries for two minutes when the bucket is
+    out of reach: measured here once the server had stopped)."""
 
     def __init__(
-        self, run_dir: pathlib.Path, resume_step: int, tensorboard: bool = True, wandb: dict | None = None
+        self, run_dir: epath.Path, resume_step: int, tensorboard: bool = True, wandb: dict | None = None
     ):
         self.path = run_dir / "metrics.jsonl"
         kept = kept_lines(self.path, resume_step) if resume_step and self.path.exists() else []
+        # in a bucket: every line so far, rewritten as one object at each step (see above)
+        self._lines = [line + "\n" for line in kept] if storage.is_remote(run_dir) else None
         self.path.write_text("".join(line + "\n" for line in kept))
         self.tensorboard = None
+        # in a bucket: (the local directory written, the tb/ it is uploaded to)
+        self._tb_upload = (
+            (tempfile.mkdtemp(prefix="qarl-tb-"), run_dir / "tb") if storage.is_remote(run_dir) else None
+        )
         if tensorboard:
             from tensorboardX import SummaryWriter  # only runs that log to TensorBoard import it (and torch)
 
@@ -153,19 +178,27 @@ class MetricsLog:
             # run from overwriting the previous file and sorts the files in run order
             purge = resume_step + 1 if resume_step else None
             suffix = f".{resume_step:09d}"
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=purge, filename_suffix=suffix)
+            tb = self._tb_upload[0] if self._tb_upload else str(run_dir / "tb")
+            self.tensorboard = SummaryWriter(tb, purge_step=purge, filename_suffix=suffix)
         self.wandb = None
         if wandb is not None:
             self.wandb = _wandb_run(run_dir, wandb["project"], wandb.get("name"))
 
     def write(self, metrics: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        line = json.dumps(metrics) + "\n"
+        if self._lines is None:
+            with self.path.open("a") as f:
+                f.write(line)
+        else:
+            self._lines.append(line)
+            self.path.write_text("".join(self._lines))
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                     self.tensorboard.add_scalar(key, value, metrics["step"])
             self.tensorboard.flush()
+            if self._tb_upload is not None:
+                storage.upload_tree(*self._tb_upload)
         if self.wandb is not None:
             numbers = {
                 k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
@@ -175,22 +208,27 @@ class MetricsLog:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self._tb_upload is not None:
+            if self.tensorboard is not None:
+                storage.upload_tree(*self._tb_upload)
+            shutil.rmtree(self._tb_upload[0])
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def _wandb_run(run_dir: pathlib.Path, project: str, name: str | None):
+def _wandb_run(run_dir: epath.Path, project: str, name: str | None):
     try:
         import wandb
     except ImportError as e:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'qarl-jax[wandb]'") from e
-    run_id = hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=8).hexdigest()
+    run_id = hashlib.blake2b(str(_resolved(run_dir)).encode(), digest_size=8).hexdigest()
+    local = None if storage.is_remote(run_dir) else str(run_dir)  # wandb writes local files: ./wandb then
     return wandb.init(
-        project=project, name=name or run_dir.resolve().name, id=run_id, resume="allow", dir=str(run_dir)
+        project=project, name=name or _resolved(run_dir).name, id=run_id, resume="allow", dir=local
     )
 
 
-def kept_lines(path: pathlib.Path, resume_step: int) -> list[str]:
+def kept_lines(path: epath.Path, resume_step: int) -> list[str]:
     """The lines of ``path`` up to step ``resume_step``. A last line that is not JSON is what a run
     killed mid-write leaves: it is cut (and said so); a bad line before the last is damage nobody
     should paper over, a :class:`RunLogError` naming file and line."""

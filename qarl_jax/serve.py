@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from kernels_pallas import FORMATS
-from qarl_jax import cli
+from qarl_jax import cli, storage
 from qarl_jax.errors import CheckpointError, ServeError
 from qarl_jax.quiet_import import import_tensorflow
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
-    path = pathlib.Path(args.checkpoint)
+    path = storage.parse(args.checkpoint, "--checkpoint")  # local or gs://
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path}: no such file or directory")
     from qarl_jax.build import is_hf_dir, run_checkpoint

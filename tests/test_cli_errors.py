@@ -144,6 +144,20 @@ CASES = {
         2,
         ["quant.group_size=96", "Marlin", "32, 64, 128"],
     ),
+    # a URL this project cannot write is refused, never made into a local folder named "s3:"
+    "main: output_dir s3://": (
+        MAIN,
+        lambda t: ["--config", SMOKE, "run.output_dir=s3://b/run"],
+        2,
+        ["s3://"],
+    ),
+    "main: --export-hf http://": (
+        MAIN,
+        lambda t: ["--config", SMOKE, RUN(t), "--export-hf", "http://host/hf"],
+        2,
+        ["--export-hf", "http:// is not a storage"],
+    ),
+    "verify_checkpoint: gs:/ (a URL through pathlib)": (VERIFY, lambda t: ["gs:/b/run"], 2, ["gs:/b/run"]),
     "main: --config swallows an override": (
         MAIN,
         lambda t: ["--config", "run.steps=3"],

@@ -14,7 +14,7 @@ import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("kernels_pallas", "qarl_jax")
-BASE = ("errors", "sharding", "quiet_import", "heap", "progress", "cli")
+BASE = ("errors", "sharding", "quiet_import", "heap", "progress", "cli", "storage")
 LIFECYCLE = (
     "config",
     "build",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from qarl_jax import distributed, sharding
+from qarl_jax import distributed, sharding, storage
 from qarl_jax.build import (
     architecture,
     build_engine,
@@ -64,7 +63,7 @@ class Policy:
 
 def load_policy(checkpoint: str, overrides: Sequence[str]) -> Policy:
     """The run, run step or Hugging Face directory ``checkpoint`` names (see the module docstring)."""
-    path = pathlib.Path(checkpoint)
+    path = storage.parse(checkpoint, "--checkpoint")  # local or gs://
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path}: no such file or directory")
     mesh = sharding.make_mesh(ALL_DEVICES)

@@ -25,11 +25,12 @@ def export_checkpoint(checkpoint: str | pathlib.Path, out: str | pathlib.Path, h
     """Export ``checkpoint`` (a run directory or one of its steps) to ``out``: the deployed
     compressed-tensors checkpoint, or (``hf``) the master weights as Hugging Face safetensors.
     Returns the step exported."""
+    from qarl_jax import storage
     from qarl_jax.build import build_tokenizer, restore_policy, run_checkpoint
     from qarl_jax.config import load_config
     from qarl_jax.models.compressed_tensors import check_exportable
 
-    path = pathlib.Path(checkpoint)
+    path = storage.parse(checkpoint, "CHECKPOINT")
     run = run_checkpoint(path)
     if run is None:
         raise CheckpointError(
@@ -39,18 +40,19 @@ def export_checkpoint(checkpoint: str | pathlib.Path, out: str | pathlib.Path, h
     run_dir, step = run
     if not hf:
         check_exportable(load_config(run_dir / "config.json").quant)
-    cli.writable_dir(out, "--out")
+    target = cli.writable_dir(out, "--out")  # local or gs://
     config, model, params, step = restore_policy(run_dir, step)
     tokenizer = build_tokenizer(config)
-    if hf:
-        from qarl_jax.models import save_pretrained
+    with storage.staged(target) as local:
+        if hf:
+            from qarl_jax.models import save_pretrained
 
-        save_pretrained(out, model.config, params, tokenizer)
-    else:
-        from qarl_jax.models.compressed_tensors import save_compressed
-        from qarl_jax.rollout.layout import freeze
+            save_pretrained(local, model.config, params, tokenizer)
+        else:
+            from qarl_jax.models.compressed_tensors import save_compressed
+            from qarl_jax.rollout.layout import freeze
 
-        save_compressed(out, model.config, freeze(params, config.quant, model), config.quant, tokenizer)
+            save_compressed(local, model.config, freeze(params, config.quant, model), config.quant, tokenizer)
     return step
 
 
@@ -58,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(
         prog="python -m qarl_jax.tools.export", description=cli.plain(__doc__.split("\n\n")[1])
     )
-    parser.add_argument("checkpoint", type=pathlib.Path, help="a run directory or RUN/checkpoints/N")
-    parser.add_argument("--out", required=True, type=pathlib.Path, help="the directory to write")
+    parser.add_argument("checkpoint", help="a run directory or RUN/checkpoints/N (local or gs://)")
+    parser.add_argument("--out", required=True, help="the directory to write (local or gs://)")
     parser.add_argument("--hf", action="store_true", help="the float master weights (as --export-hf)")
     args = parser.parse_args(argv)
     return cli.run(lambda: _export(args))

@@ -1,22 +1,22 @@
 """``python -m qarl_jax.tools.verify_checkpoint DIR``: is a run's checkpoint intact?
 
 ``DIR`` is a run directory, its ``checkpoints`` directory (every step is checked) or one step
-(``RUN/checkpoints/23``). Each step's arrays are read back onto this host's first device, their
-fingerprints recomputed and compared with those saved beside them (:mod:`qarl_jax.checkpoint`),
-and the data state's digest checked. Prints one line per step; exits 1 when any is damaged (naming
-the array or file), 3 (a checkpoint error, as in every command) when ``DIR`` holds no checkpoint.
-Nothing is written or moved.
+(``RUN/checkpoints/23``), on a disk or in a bucket (``gs://BUCKET/RUN``). Each step's arrays are
+read back onto this host's first device, their fingerprints recomputed and compared with those
+saved beside them (:mod:`qarl_jax.checkpoint`), and the data state's digest checked. Prints one
+line per step; exits 1 when any is damaged (naming the array or file), 3 (a checkpoint error, as
+in every command) when ``DIR`` holds no checkpoint. Nothing is written or moved.
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from qarl_jax import cli
+from qarl_jax import cli, storage
 from qarl_jax.checkpoint import (
     DamagedCheckpoint,
     compare,
@@ -28,7 +28,7 @@ from qarl_jax.checkpoint import (
 from qarl_jax.errors import CheckpointError
 
 
-def _steps(path: pathlib.Path) -> tuple[pathlib.Path, list[int]]:
+def _steps(path: epath.Path) -> tuple[epath.Path, list[int]]:
     if path.name.isdigit() and (path / "meta").is_dir():  # one step
         return path.parent, [int(path.name)]
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -36,7 +36,7 @@ def _steps(path: pathlib.Path) -> tuple[pathlib.Path, list[int]]:
     return directory, steps
 
 
-def verify_step(manager: ocp.CheckpointManager, directory: pathlib.Path, step: int) -> None:
+def verify_step(manager: ocp.CheckpointManager, directory: epath.Path, step: int) -> None:
     """Raise :class:`CheckpointError` unless step ``step`` reads back as it was saved."""
     where = directory / str(step)
     try:
@@ -65,22 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(
         prog="python -m qarl_jax.tools.verify_checkpoint", description=cli.plain(__doc__)
     )
-    parser.add_argument("dir", type=pathlib.Path, help="a run directory, its checkpoints/ or one step")
+    parser.add_argument("dir", help="a run directory, its checkpoints/ or one step (local or gs://)")
     args = parser.parse_args(argv)
-    return cli.run(lambda: _verify(args.dir))
+    return cli.run(lambda: _verify(storage.parse(args.dir, "DIR")))
 
 
-def _verify(path: pathlib.Path) -> int:
+def _verify(path: epath.Path) -> int:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such directory")
     directory, steps = _steps(path)
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint steps (not a run directory, or the run has saved none)")
-    manager = ocp.CheckpointManager(directory.absolute(), item_names=("state", "data", "meta"))
+    directory = storage.absolute(directory)
+    manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"))
     damaged = 0
     for step in steps:
         try:
-            verify_step(manager, directory.absolute(), step)
+            verify_step(manager, directory, step)
         except CheckpointError as e:
             damaged += 1
             print(f"DAMAGED {e}")

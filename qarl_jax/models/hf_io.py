@@ -14,9 +14,11 @@ layer and per expert, never as a whole leaf.
 **Host memory bound while loading**: the host's share of the parameters (its devices' shards,
 replicated leaves once per device holding them) plus a working set of: the host's shards of the one
 leaf being built (for a scanned model one stacked leaf: all its layers of one projection), one read
-run (``CHUNK_BYTES``, or one row where a row is larger), and for a compressed-tensors checkpoint one
-stored projection (one layer's, one expert's) dequantized to f32. Nothing holds a whole leaf where
-the host holds a part (``tests/test_models_hf_io.py::test_load_reads_only_shards``).
+run (at most ``CHUNK_BYTES`` = 64 MiB and at most one device's shard of that tensor, or one row
+where a row is larger), and for a compressed-tensors checkpoint one stored projection (one
+layer's, one expert's) dequantized to f32. No whole leaf is read or built where the host holds a
+part (``tests/test_models_hf_io.py::test_sharded_load_reads_no_more_than_a_shard_at_once``); each
+stored byte a host needs is read once.
 """
 
 from __future__ import annotations
@@ -119,9 +121,11 @@ class _Source:
                 f"the config implies {hf_shape}"
             )
 
-    def runs(self, name: str, hf_shape: tuple[int, ...], rows: list[tuple[int, int]]):
+    def runs(self, name: str, hf_shape: tuple[int, ...], rows: list[tuple[int, int]], shard: int):
         """(first row, array of the stored layout) runs covering ``rows`` (merged intervals) of
-        ``name``, each at most ``CHUNK_BYTES`` (or one row); a quantized tensor comes dequantized whole."""
+        ``name``, each at most ``CHUNK_BYTES`` and at most ``shard`` elements (the smallest shard of
+        it a device holds), or one row where a row is larger; a quantized tensor comes
+        dequantized whole."""
         q = self.quantized
         if q is not None and q.holds(name):
             arr = q.dequantize(name, lambda stored: self.reader(stored).read(stored))
@@ -132,8 +136,8 @@ class _Source:
             yield 0, arr
             return
         reader = self.reader(name)
-        row_bytes = max(1, int(np.prod(hf_shape[1:])) * reader.dtype(name).itemsize)
-        step = max(1, CHUNK_BYTES // row_bytes)
+        row = max(1, int(np.prod(hf_shape[1:])))
+        step = max(1, min(CHUNK_BYTES // (row * reader.dtype(name).itemsize), shard // row))
         for start, stop in rows:
             for r0 in range(start, stop, step):
                 yield r0, reader.read_rows(name, r0, min(r0 + step, stop))
@@ -173,7 +177,9 @@ def _fill(leaf: _Leaf, source: _Source, buffers: dict[Block, np.ndarray]) -> Non
             users = [b for b in buffers if all(a <= x < z for x, (a, z) in zip(lead, b, strict=False))]
             if not users:
                 continue
-            for r0, data in source.runs(name, hf_shape, _merged([rows_cols(b)[0] for b in users])):
+            rows = _merged([rows_cols(b)[0] for b in users])
+            shard = min(int(np.prod([z - a for a, z in b[p:]])) for b in users)
+            for r0, data in source.runs(name, hf_shape, rows, shard):
                 r1 = r0 + data.shape[0]
                 for b in users:
                     (a, z), cols = rows_cols(b)

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -188,10 +189,8 @@ def _fill(leaf: _Leaf, source: _Source, buffers: dict[Block, np.ndarray]) -> Non
                         continue
                     piece = data[(slice(lo - r0, hi - r0), *cols)]
                     at = tuple(x - s for x, (s, _) in zip(lead, b, strict=False))
-                    if leaf.kernel:
-                        buffers[b][(*at, slice(None), slice(lo - a, hi - a))] = piece.T
-                    else:
-                        buffers[b][(*at, slice(lo - a, hi - a))] = piece
+                    dest: tuple[Any, ...] = (*at, slice(None)) if leaf.kernel else at
+                    buffers[b][(*dest, slice(lo - a, hi - a))] = piece.T if leaf.kernel else piece
 
 
 def _build(leaf: _Leaf, source: _Source, dtype, sharding) -> jax.Array:
@@ -207,8 +206,8 @@ def _build(leaf: _Leaf, source: _Source, dtype, sharding) -> jax.Array:
     buffers = {b: np.empty([z - a for a, z in b], dtype) for b in uses}
     _fill(leaf, source, buffers)
 
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
-        b = _block(index, leaf.shape)
+    def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+        b = _block(index or (), leaf.shape)
         uses[b] -= 1
         return buffers[b] if uses[b] else buffers.pop(b)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 os.environ.setdefault("EPATH_USE_TF", "false")
 
@@ -51,7 +51,7 @@ DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
 }
 
-PathLike = str | os.PathLike | epath.Path
+PathLike: TypeAlias = str | os.PathLike[str] | epath.Path
 
 
 def as_path(path: PathLike) -> epath.Path:
@@ -68,19 +68,21 @@ class SafetensorsReader:
 
     Local files are read with ``pread``: safetensors' own ``safe_open`` memory-maps the file, and
     every page it touches stays resident until the file is closed (a one-file checkpoint loaded that
-    way costs twice its size in RSS). Remote files (``gs://``) are read with seek + read on the
-    fsspec file object, each read one ranged request."""
+    way costs twice its size in RSS). Remote files (``gs://``) are read through the path's fsspec
+    filesystem (gcsfs), each read one ranged request."""
 
     def __init__(self, path: PathLike):
         self.path = as_path(path)
         self._fd: int | None = None
-        self._file: Any = None
+        self._fs: Any = None
         if _is_local(self.path):
             self._fd = os.open(os.fspath(self.path), os.O_RDONLY)
             size = os.fstat(self._fd).st_size
-        else:
-            self._file = self.path.open("rb")
-            size = self._file.seek(0, 2)
+        else:  # one ranged GET a read (fsspec's file objects read ahead and cache: not wanted here)
+            import fsspec
+
+            self._fs, self._key = fsspec.core.url_to_fs(os.fspath(self.path))
+            size = self._fs.size(self._key)
         self._size = size
         try:
             head = self._bytes(0, min(8, size))
@@ -109,8 +111,9 @@ class SafetensorsReader:
             if self._fd is not None:
                 got = os.preadv(self._fd, [view[done:]], offset + done)
             else:
-                self._file.seek(offset + done)
-                got = self._file.readinto(view[done:])
+                data = self._fs.cat_file(self._key, start=offset + done, end=offset + n)
+                got = len(data)
+                view[done : done + got] = data
             if not got:
                 raise CheckpointError(f"{self.path}: short read at byte {offset + done}")
             done += got
@@ -169,29 +172,27 @@ class SafetensorsReader:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._fs = None
 
 
 def weight_files(ckpt: PathLike) -> dict[str, epath.Path]:
     """Map every tensor name to the safetensors file holding it (index file, one file, or a glob)."""
-    ckpt = as_path(ckpt)
-    index = ckpt / INDEX_FILE
+    root = as_path(ckpt)
+    index = root / INDEX_FILE
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
-        files = {name: ckpt / f for name, f in weight_map.items()}
+        files = {name: root / f for name, f in weight_map.items()}
         for f in sorted(set(files.values()), key=os.fspath):
             if not f.exists():
-                raise CheckpointError(f"{index} lists {f.name}, which is missing from {ckpt}")
+                raise CheckpointError(f"{index} lists {f.name}, which is missing from {root}")
         return files
-    single = ckpt / SINGLE_FILE
-    candidates = [single] if single.exists() else sorted(ckpt.glob("*.safetensors"), key=os.fspath)
+    single = root / SINGLE_FILE
+    candidates = [single] if single.exists() else sorted(root.glob("*.safetensors"), key=os.fspath)
     if not candidates:
-        raise CheckpointError(f"{ckpt}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
+        raise CheckpointError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
     files = {}
     for f in candidates:
         reader = SafetensorsReader(f)
@@ -205,8 +206,8 @@ def write_safetensors(
 ) -> None:
     """Write named host arrays as ``ckpt``'s safetensors: one file, or shards of at most
     ``max_shard_bytes`` with an index; replaces the directory's old weight files."""
-    ckpt = as_path(ckpt)
-    ckpt.mkdir(parents=True, exist_ok=True)
+    root = as_path(ckpt)
+    root.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in tensors:
@@ -215,7 +216,7 @@ def write_safetensors(
             size = 0
         shards[-1][name] = np.ascontiguousarray(arr)
         size += arr.nbytes
-    for old in list(ckpt.glob("*.safetensors")) + [ckpt / INDEX_FILE]:
+    for old in list(root.glob("*.safetensors")) + [root / INDEX_FILE]:
         if old.exists():
             old.unlink()
 
@@ -226,16 +227,16 @@ def write_safetensors(
             f.write_bytes(save(shard, metadata={"format": "pt"}))
 
     if len(shards) == 1:
-        write(shards[0], ckpt / SINGLE_FILE)
+        write(shards[0], root / SINGLE_FILE)
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write(shard, ckpt / fname)
+            write(shard, root / fname)
             weight_map.update({name: fname for name in shard})
             total += sum(a.nbytes for a in shard.values())
         listing = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (ckpt / INDEX_FILE).write_text(json.dumps(listing, indent=2))
+        (root / INDEX_FILE).write_text(json.dumps(listing, indent=2))
 
 
 def tensor_layout(

@@ -55,6 +55,7 @@ from qarl_jax.models.safetensors_io import (
 )
 
 Block = tuple[tuple[int, int], ...]  # a shard's [start, stop) per leaf dimension
+_ALIGN = 64  # bytes: the alignment at which JAX's CPU client takes a host buffer without a copy
 
 
 @dataclasses.dataclass
@@ -193,6 +194,17 @@ def _fill(leaf: _Leaf, source: _Source, buffers: dict[Block, np.ndarray]) -> Non
                     buffers[b][(*dest, slice(lo - a, hi - a))] = piece.T if leaf.kernel else piece
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: JAX's CPU client then adopts
+    it as the device buffer instead of copying it (so a CPU host does not hold a leaf twice while
+    placing it); other backends copy it to the device either way."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip : skip + n].view(dtype).reshape(shape)
+
+
 def _build(leaf: _Leaf, source: _Source, dtype, sharding) -> jax.Array:
     """``leaf`` as a ``jax.Array`` placed with ``sharding`` (None: whole, on the default device),
     holding on the host only this host's shards of it, each dropped once placed."""
@@ -203,7 +215,7 @@ def _build(leaf: _Leaf, source: _Source, dtype, sharding) -> jax.Array:
         return jax.device_put(buffers.pop(whole))
     blocks = [_block(i, leaf.shape) for i in sharding.addressable_devices_indices_map(leaf.shape).values()]
     uses = collections.Counter(blocks)
-    buffers = {b: np.empty([z - a for a, z in b], dtype) for b in uses}
+    buffers = {b: _aligned_empty(tuple(z - a for a, z in b), dtype) for b in uses}
     _fill(leaf, source, buffers)
 
     def shard(index: tuple[slice, ...] | None) -> np.ndarray:

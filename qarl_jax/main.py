@@ -97,9 +97,8 @@ def _run(args: argparse.Namespace) -> int:
 
     result = train(config)
     if args.export_hf:
-        params = distributed.gather(result.state.params)  # every process: the whole weights
-        if distributed.is_primary():
-            save_pretrained(args.export_hf, result.model.config, params, build_tokenizer(config))
+        # every process (collective): one tensor gathered at a time, process 0 writes
+        save_pretrained(args.export_hf, result.model.config, result.state.params, build_tokenizer(config))
     if args.export_compressed_tensors:
         from qarl_jax.models.compressed_tensors import save_compressed
         from qarl_jax.rollout.layout import freeze

@@ -319,30 +319,31 @@ def save_pretrained(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Write ``params`` as a Hugging Face directory transformers loads (safetensors, sharded with an
-    index past ``max_shard_bytes``), plus config.json and tokenizer.json if given."""
+    index past ``max_shard_bytes``), plus config.json and tokenizer.json if given.
+
+    With several processes every process calls it (collective) with the global arrays: each leaf,
+    and each layer of a stacked leaf, is gathered one at a time, and process 0 alone writes, so a
+    host holds at most one safetensors file's worth (``max_shard_bytes``) plus one layer's leaf."""
     ckpt = as_path(ckpt)
+    primary = jax.process_index() == 0
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        layout = list(tensor_layout(config))
-        uses = collections.Counter(param_location(config, path)[0] for path, _, _ in layout)
-        fetched: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves, dropped after their last layer
-        for path, names, _ in layout:
+        for path, names, _ in tensor_layout(config):
             path, index = param_location(config, path)
-            if path not in fetched:
-                node = params
-                for key in path:
-                    node = node[key]
-                fetched[path] = _host_array(node)
-            arr = fetched[path] if index is None else fetched[path][index]
-            uses[path] -= 1
-            if not uses[path]:
-                del fetched[path]
+            node = params
+            for key in path:
+                node = node[key]
+            arr = _host_array(node if index is None else node[index])  # one layer of a stack
             if isinstance(names, list):
                 for j, name in enumerate(names):
                     yield name, arr[j].T
             else:
                 yield names, arr.T if is_kernel(path) else arr
 
+    if not primary:
+        for _ in tensors():  # the gathers are collective: take part, write nothing
+            pass
+        return
     write_safetensors(ckpt, tensors(), max_shard_bytes)
     hf = config_to_hf(config)
     hf.pop("quantization_config", None)  # dense weights, even from a compressed starting checkpoint

@@ -22,9 +22,10 @@ from qarl_jax import sharding
 from qarl_jax.config import Config, ModelConfig, load_config, to_dict
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.errors import CheckpointError, ConfigError, DataError
-from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_sharded, load_tokenizer, preset
+from qarl_jax.models import Qwen3ForCausalLM, init_sharded, load_tokenizer, preset
 from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.hf_io import load_config as hf_config
+from qarl_jax.models.hf_io import load_params
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 
@@ -32,9 +33,10 @@ EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
 PACKAGE_DIR = pathlib.Path(__file__).parent
 
 
-def model_dir(path: str) -> pathlib.Path:
-    """``package:REL`` names a directory shipped in the package (the default policy); others as is."""
-    return PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else pathlib.Path(path)
+def model_dir(path: str) -> epath.Path:
+    """``package:REL`` names a directory shipped in the package (the default policy); others as is
+    (a local directory or ``gs://bucket/...``)."""
+    return epath.Path(PACKAGE_DIR / path.removeprefix("package:") if path.startswith("package:") else path)
 
 
 def architecture(config: Config) -> TransformerConfig:
@@ -59,7 +61,7 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     except ValueError as e:
         raise ConfigError(f"quant.fmt: {e}") from None
     m = config.model
-    arch = architecture(config)
+    arch = architecture(config)  # the checkpoint's config.json, read once
     groups = quant_group_sizes(config.quant, arch)
     try:
         check_shapes(arch.head_dim, groups.values())
@@ -68,15 +70,8 @@ def build_policy(config: Config, mesh) -> tuple[Qwen3ForCausalLM, dict]:
     model = Qwen3ForCausalLM(arch, config.quant)
     if m.path is None:
         return model, init_sharded(model, jax.random.key(config.seed), mesh, config.mesh.rules)
-    path = model_dir(m.path)
-    layout = dict(
-        scan_layers=m.scan_layers, remat_policy=m.remat_policy, tensor_blocks=config.rollout.mesh.tensor
-    )
     shardings = sharding.param_shardings(model, mesh, config.mesh.rules)
-    _, params, _ = from_pretrained(
-        path, dtype=m.param_dtype, compute_dtype=m.compute_dtype, shardings=shardings, **layout
-    )
-    return model, params
+    return model, load_params(model_dir(m.path), arch, shardings)  # each host reads its shards
 
 
 def quant_group_sizes(spec: QuantSpec, arch: TransformerConfig) -> dict[str, int]:
@@ -140,7 +135,8 @@ def check_model_files(model: ModelConfig) -> None:
         )
     path = model_dir(model.path)
     if not path.is_dir():
-        raise ConfigError(f"model.path {model.path}: no such directory ({path.absolute()})")
+        where = path if "://" in model.path else path.absolute()
+        raise ConfigError(f"model.path {model.path}: no such directory ({where})")
     hf_config(path)
 
 

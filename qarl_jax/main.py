@@ -104,10 +104,8 @@ def _run(args: argparse.Namespace) -> int:
 
     result = train(config)
     if export_hf is not None:
-        params = distributed.gather(result.state.params)  # every process: the whole weights
-        if distributed.is_primary():
-            with storage.staged(export_hf) as out:
-                save_pretrained(out, result.model.config, params, build_tokenizer(config))
+        # every process (collective): one tensor gathered at a time, process 0 writes (local or gs://)
+        save_pretrained(export_hf, result.model.config, result.state.params, build_tokenizer(config))
     if export_ct is not None:
         from qarl_jax.models.compressed_tensors import save_compressed
         from qarl_jax.rollout.layout import freeze

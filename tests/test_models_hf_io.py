@@ -1,6 +1,8 @@
 """Hugging Face import/export: round trips, transformers reading our files, streaming memory, errors."""
 
+import functools
 import json
+import operator
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ from qarl_jax.models import (
     preset,
     save_pretrained,
 )
-from qarl_jax.models.hf_io import config_to_hf
+from qarl_jax.models.hf_io import config_to_hf, param_location, tensor_layout
 
 
 def _word_tokenizer() -> Tokenizer:
@@ -127,6 +129,60 @@ def test_streaming_load_peak_memory_below_1_5x_checkpoint(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     peak = int(out.stdout.split()[-1])
     assert peak < 1.5 * size, peak / size
+
+
+@pytest.mark.parametrize(
+    "name, mesh",
+    [
+        ("qwen3-tiny", {"fsdp": 8}),
+        ("qwen3-moe-tiny", {"fsdp": 2, "tensor": 2, "expert": 2}),  # scanned: stacked layers, experts
+    ],
+)
+def test_sharded_load_reads_no_more_than_a_shard_at_once(tmp_path, monkeypatch, name, mesh):
+    """Sharded over 8 devices, the loader reads each stored tensor once, in ranged reads no larger
+    than one device's shard of it (a host holding a part never reads or builds the whole leaf),
+    and gives the saved parameters bit for bit."""
+    from qarl_jax import sharding as sh
+    from qarl_jax.models.safetensors_io import SafetensorsReader
+
+    config = preset(name).replace(scan_layers=name == "qwen3-moe-tiny", tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    params = init_params(model, jax.random.key(5))
+    save_pretrained(tmp_path, config, params)
+    header = SafetensorsReader(tmp_path / "model.safetensors")
+    spans = {
+        n: (header._base + i["data_offsets"][0], header._base + i["data_offsets"][1])
+        for n, i in header.tensors.items()
+    }
+    header.close()
+    reads: list[tuple[int, int]] = []
+    original = SafetensorsReader._read_into
+
+    def recorded(self, view, offset):
+        reads.append((offset, len(view)))
+        original(self, view, offset)
+
+    monkeypatch.setattr(SafetensorsReader, "_read_into", recorded)
+    device_mesh = sh.make_mesh(sh.MeshConfig(**{"data": 1, **mesh}))
+    shardings = sh.param_shardings(model, device_mesh)
+    _, loaded, _ = from_pretrained(tmp_path, shardings=shardings, scan_layers=config.scan_layers)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    largest: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for offset, n in reads:
+        owner = [t for t, (a, b) in spans.items() if a <= offset < b]
+        if owner:
+            total[owner[0]] = total.get(owner[0], 0) + n
+            largest[owner[0]] = max(largest.get(owner[0], 0), n)
+    assert total == {t: b - a for t, (a, b) in spans.items()}  # each stored byte read once
+    for path, names, shape in tensor_layout(config):
+        leaf = functools.reduce(operator.getitem, param_location(config, path)[0], loaded)
+        dims = min(2, len(shape))
+        shard = int(np.prod(leaf.addressable_shards[0].data.shape[-dims:]))  # of one tensor
+        assert len(shape) == 1 or shard < int(np.prod(shape[-dims:]))  # every matrix is split
+        row = shape[-2] if path[-1] == "kernel" else int(np.prod(shape[1:]))  # a stored row
+        for n in names if isinstance(names, list) else [names]:
+            assert largest[n] <= 4 * max(shard, row), (n, largest[n], shard)
 
 
 # ---- error paths: each names the file and/or tensor -------------------------------------------

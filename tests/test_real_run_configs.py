@@ -14,6 +14,7 @@ from qarl_jax.models import Qwen3ForCausalLM, preset
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.tools import compiled_memory
+from qarl_jax.tools.host_memory import HOST_RAM_GB
 from qarl_jax.tools.memory_plan import (
     HBM_GB,
     HOST_DEVICES,
@@ -56,7 +57,12 @@ def test_real_run_config_shards_and_fits(name):
     config = load_config(CONFIGS / name)
     assert (config.quant.fmt, config.quant.mode, config.objective.name) == ("w4a16", "aligned", "tbpo")
     # raises PlanError on any dimension that does not divide; the engine runs per host
-    p = plan(config, hbm_gb=HBM_GB[platform], per_host=HOST_DEVICES[platform])
+    p = plan(
+        config,
+        hbm_gb=HBM_GB[platform],
+        per_host=HOST_DEVICES[platform],
+        host_ram_gb=HOST_RAM_GB[platform],
+    )
     m = config.mesh
     assert p["devices"] == m.data * m.fsdp * m.tensor * m.expert
     assert p["param_count"] == pytest.approx(params, rel=0.01)
@@ -64,6 +70,7 @@ def test_real_run_config_shards_and_fits(name):
     assert p["total_bytes"] <= 0.9 * p["hbm_bytes"], (
         f"{name}: {p['total_bytes'] / 1e9:.1f} GB of {HBM_GB[platform]}"
     )
+    assert p["host"]["fits"], f"{name}: {p['host']['peak'] / 1e9:.1f} GB of a host's {HOST_RAM_GB[platform]}"
 
 
 def test_mesh_that_does_not_divide_names_param_dim_and_axes():

@@ -25,7 +25,8 @@ Each distinct (strategy, group size) is one config group (8-bit: per channel; in
 or all of K where K is smaller: tiny models only). Projections the run leaves unquantized (lm_head and
 the MoE router by default) are written as they are and listed in ``ignore``.
 
-Reading back (:class:`CompressedCheckpoint`, used by :func:`qarl_jax.models.hf_io.load_params`):
+Reading back (:class:`CompressedCheckpoint`, used by :func:`qarl_jax.models.hf_io.load_params`, which
+imports this module; this module imports the file layer and the config translation, not the loader):
 ``model.path`` may name such a directory; every quantized weight comes back as f32 master weights
 that freeze to the stored integers and scales bit for bit: ``q * scale``, with each group's abs-max
 entries nudged by at most one ulp where the freeze would otherwise recompute a scale one ulp off
@@ -38,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import re
 from collections.abc import Callable, Iterator
 
@@ -48,7 +48,14 @@ import numpy as np
 from kernels_pallas.formats import E4M3_MAX, WEIGHT_BITS, QuantizedWeight, int_values
 from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.models.config import TransformerConfig
-from qarl_jax.models.hf_io import config_to_hf, param_location, tensor_layout, write_safetensors
+from qarl_jax.models.hf_config import config_to_hf
+from qarl_jax.models.safetensors_io import (
+    as_path,
+    param_location,
+    save_tokenizer,
+    tensor_layout,
+    write_safetensors,
+)
 from qarl_jax.quant import QuantSpec
 
 QUANT_METHOD = "compressed-tensors"
@@ -244,16 +251,15 @@ def save_compressed(
     scheme = check_exportable(spec)
     groups: dict[tuple[str, int | None], list[str]] = {}
     ignore: list[str] = []
-    ckpt = pathlib.Path(ckpt)
     write_safetensors(ckpt, _tensors(config, frozen, scheme, groups, ignore), max_shard_bytes)
     if not groups:
         raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
     hf = config_to_hf(config)
     hf.pop("quantization_config", None)  # one carried from a compressed starting checkpoint goes last
     hf["quantization_config"] = quantization_config(spec, groups, ignore)
-    (ckpt / "config.json").write_text(json.dumps(hf, indent=2))
+    (as_path(ckpt) / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer is not None:
-        tokenizer.save(str(ckpt / "tokenizer.json"))
+        save_tokenizer(ckpt, tokenizer)
 
 
 class CompressedCheckpoint:
@@ -263,7 +269,6 @@ class CompressedCheckpoint:
     def __init__(self, source: str, qconfig: dict, names: set[str]):
         self.source = source
         self.names = names
-        self.consumed: set[str] = set()  # the stored tensors read so far (the loader's expected)
         self.groups: list[tuple[list[str], str | None]] = []  # (targets, our weight format) a group
         if qconfig.get("quant_method") != QUANT_METHOD:
             raise CheckpointError(
@@ -296,6 +301,13 @@ class CompressedCheckpoint:
         """Whether ``name`` (``<module>.weight``) is stored quantized here."""
         return name.endswith(".weight") and f"{_module(name)}.weight_scale" in self.names
 
+    def stored(self, name: str) -> set[str]:
+        """The stored tensors that quantized ``name`` is made of (the loader's expected names)."""
+        module = _module(name)
+        if f"{module}.weight_packed" in self.names:
+            return {f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_shape")}
+        return {name, f"{module}.weight_scale"}
+
     def _format(self, module: str) -> str | None:
         """Our weight format (w4a16 / w8a8 / fp8) of the config group targeting ``module`` (by name,
         ``re:`` pattern or the ``Linear`` class, as compressed-tensors matches), None if none does."""
@@ -314,11 +326,9 @@ class CompressedCheckpoint:
         if f"{module}.weight_packed" in self.names:
             out, k = (int(v) for v in read(f"{module}.weight_shape"))
             q = unpack_int32(read(f"{module}.weight_packed"), k)
-            self.consumed.update(f"{module}.{t}" for t in ("weight_packed", "weight_scale", "weight_shape"))
             fmt: str | None = "w4a16"
         else:
             q = read(name)
-            self.consumed.update((name, f"{module}.weight_scale"))
             fmt = self._format(module)
         out, k = q.shape
         if scale.ndim != 2 or scale.shape[0] != out or k % scale.shape[1]:
@@ -371,15 +381,11 @@ def master(q: np.ndarray, scale: np.ndarray, fmt: str | None) -> np.ndarray:
     return best.reshape(out, k)
 
 
-def open_compressed(ckpt: str | os.PathLike, names: set[str]) -> CompressedCheckpoint | None:
-    """The checkpoint's :class:`CompressedCheckpoint` if its config.json has a
-    ``quantization_config``, else None (``names``: the tensor names it stores)."""
-    f = pathlib.Path(ckpt) / "config.json"
-    try:
-        qconfig = json.loads(f.read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError):
-        return None  # load_config reports these
-    return None if qconfig is None else CompressedCheckpoint(str(f), qconfig, names)
+def open_compressed(source: str, config: TransformerConfig, names: set[str]) -> CompressedCheckpoint | None:
+    """The checkpoint's :class:`CompressedCheckpoint` if its config (``config``, read from
+    ``source``) has a ``quantization_config``, else None (``names``: the tensor names it stores)."""
+    qconfig = dict(config.extra_hf).get("quantization_config")
+    return None if qconfig is None else CompressedCheckpoint(source, qconfig, names)
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Model configuration (field names follow a Hugging Face ``config.json``), the families it covers
 and tiny presets. What differs between Qwen3, Qwen2/Qwen2.5 and Llama 3 is data (:data:`FAMILIES`),
 read by the one decoder in ``qwen3.py``; the translation to and from ``config.json`` and the
-safetensors names lives in ``hf_io.py``."""
+safetensors names lives in ``hf_config.py`` and ``safetensors_io.py``."""
 
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ largest layer (or lm_head) gathered whole in p, since ``ops.per_device`` runs ev
 gathered weight (twice in the update: the weight and its full-size gradient; an MoE layer's experts
 a 1/expert share on a mesh with an expert axis, whose MoE is expert parallel); the rollout engine's
 weights sit on its own layout, gathered by nothing. The frozen weights count in the rollout phase
-only, the gradients outside it. These are estimates:
+only, the gradients outside it. Per host: RAM while loading and checkpointing
+(:mod:`qarl_jax.tools.host_memory`; ``--host-ram-gb``, default the platform's host). These are estimates:
 XLA's temporaries and fragmentation come on top, so leave headroom.
 
 ``--compiled`` also lowers and compiles the real programs at these shapes on the mesh (fake CPU
@@ -82,6 +83,7 @@ from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
+from qarl_jax.tools.host_memory import HOST_RAM_GB, format_host, host_plan
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "tpu7x": 192, "a100": 80, "h100": 80, "h200": 141}
@@ -207,6 +209,7 @@ def plan(
     preset_name: str | None = None,
     hbm_gb: float | None = None,
     per_host: int | None = None,
+    host_ram_gb: float | None = None,
 ) -> dict[str, Any]:
     """Per-device memory plan of ``config`` on ``devices`` (default: the mesh's stated size, which
     must then have no -1 axis), ``per_host`` of them on each host (default and at most: all; the engine
@@ -296,6 +299,11 @@ def plan(
     peak = max(PHASES, key=lambda name: resident[name] + phases[name])
     total = resident[peak] + phases[peak]
     hbm = None if hbm_gb is None else hbm_gb * GB
+    largest_leaf = max(
+        _shard_bytes(x.shape, c.param_dtype, specs[_names(path)], mesh)
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+    )
+    host = host_plan(largest_leaf, per_host, param_bytes, persistent["optimizer"], host_ram_gb)
     return dict(
         architecture=source,
         param_count=sum(x.size for x in jax.tree.leaves(params)),
@@ -311,6 +319,7 @@ def plan(
         total_bytes=total,
         hbm_bytes=hbm,
         fits=None if hbm is None else total <= hbm,
+        host=host,
         notes=notes,
     )
 
@@ -482,6 +491,7 @@ def format_plan(p: dict[str, Any], config: Config) -> str:
         verdict = "fits" if p["fits"] else "DOES NOT FIT"
         total += f"; {p['total_bytes'] / p['hbm_bytes']:.0%} of {p['hbm_bytes'] / GB:g} GB HBM: {verdict}"
     lines.append(total)
+    lines.append(format_host(p["host"], p["per_host"]))
     lines += [f"note: {n}" for n in p["notes"]]
     return "\n".join(lines)
 
@@ -514,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         "--hbm-gb", type=cli.at_least(0, float, strict=True), help="HBM per device in GB (1e9 bytes), > 0"
     )
     parser.add_argument(
+        "--host-ram-gb",
+        type=cli.at_least(0, float, strict=True),
+        help="RAM a host in GB (default: --platform's host)",
+    )
+    parser.add_argument(
         "--per-host",
         type=cli.at_least(1),
         help="devices a host: the rollout engine's mesh (default: --platform's host, else all devices)",
@@ -544,7 +559,10 @@ def _main(args: argparse.Namespace, reexec: bool) -> int:
     hbm = args.hbm_gb if args.hbm_gb is not None else HBM_GB.get(args.platform)
     config = load_config(args.config, args.overrides)
     per_host = args.per_host or HOST_DEVICES.get(args.platform or "")
-    p = plan(config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host)
+    host_ram = args.host_ram_gb if args.host_ram_gb is not None else HOST_RAM_GB.get(args.platform or "")
+    p = plan(
+        config, args.devices, preset_name=args.preset, hbm_gb=hbm, per_host=per_host, host_ram_gb=host_ram
+    )
     if args.compiled and not args.topology and reexec and jax.device_count() < p["devices"]:
         _exec_with_fake_devices(p["devices"])
     if not args.json:
@@ -555,7 +573,7 @@ def _main(args: argparse.Namespace, reexec: bool) -> int:
     elif cp:
         print(format_compiled(cp, p))
     fits = p["fits"] if cp is None else cp["fits"]
-    return 1 if fits is False else 0
+    return 1 if fits is False or p["host"]["fits"] is False else 0
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def straight(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     ref_dir, ref = straight
     assert any(m["train/grad_norm"] > 0 for m in metrics_without_timing(ref_dir)[1:])  # it learned

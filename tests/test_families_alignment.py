@@ -66,6 +66,7 @@ for cell in cells:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
     MODELS[family]().save_pretrained(tmp_path)

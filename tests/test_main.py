@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
@@ -92,6 +93,7 @@ def test_main_refuses_a_foreign_checkpoint(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_naming_the_checkpoint_to_resume(tmp_path, capsys, monkeypatch):
     """SIGINT (what Ctrl-C sends) once the first checkpoint's save has started: exit 130, one line
     naming it. The signal is sent on that event (step 1's save returning), never on a clock: a

@@ -97,6 +97,7 @@ def test_server_returns_engine_tokens_and_survives_bad_requests(js, core, server
     assert decode(js, server.address, 3, token_ids=prompts[0]) == expected[0][:3]
 
 
+@pytest.mark.slow
 def test_serve_cli_on_a_checkpoint(tmp_path, js):
     """``python -m qarl_jax.serve`` loads a checkpoint, freezes it (w8a8) and answers on localhost;
     neither ``--help`` nor serving prints TensorFlow's or absl's start-up lines or DEBUG logs."""

@@ -104,27 +104,32 @@ def test_every_command_line_module_is_named():
     assert not missing, f"command-line modules the README and docs never name: {missing}"
 
 
-# runs every ``--help`` in one interpreter (JAX imported once, not ~35 times): argv[1] the
-# [command, "module" or "script", target] list, argv[2] where the results go as JSON
+# runs every ``--help`` in one interpreter (JAX imported once, not ~35 times), the modules first,
+# then the scripts: argv[1] the [command, "module" or "script", target] list, argv[2] where the
+# results go as JSON
 _HELP_DRIVER = """
 import contextlib, io, json, runpy, sys, traceback
-results = {}
-for command, kind, target in json.loads(sys.argv[1]):
+todo, results_path, results = json.loads(sys.argv[1]), sys.argv[2], {}
+for command, kind, target in todo:
     out, err, code = io.StringIO(), io.StringIO(), 0
     sys.argv = [target, "--help"]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             if kind == "module":
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(target, run_name="__main__")
+            else:  # as python SCRIPT does: the script's folder first on sys.path
+                sys.path.insert(0, target.rsplit("/", 1)[0])
+                try:
+                    runpy.run_path(target, run_name="__main__")
+                finally:
+                    sys.path.pop(0)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
         except BaseException:
             traceback.print_exc()
             code = 1
     results[command] = [code, out.getvalue(), err.getvalue()]
-with open(sys.argv[2], "w") as f:
+with open(results_path, "w") as f:
     json.dump(results, f)
 """
 

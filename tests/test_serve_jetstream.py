@@ -14,7 +14,9 @@ from qarl_jax.models import Qwen3ForCausalLM, init_params, preset, save_pretrain
 from qarl_jax.rollout import GREEDY, EngineConfig, RolloutEngine, rollout
 
 EOS = 0
-TIMEOUT = 60
+# no deadline on a request or a command: the server compiles its programs on its first request
+# (past 60 s on a loaded host: a 60 s deadline failed there), and a hang is pytest-timeout's to end
+TIMEOUT = None
 # what TensorFlow's and absl's C++ libraries print while loading, and any library's DEBUG logging
 NOISE = ("tensorflow/", "cpu_feature_guard", "oneDNN", "absl", "E0000", "W0000", "I0000", " DEBUG ")
 ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ ")  # absl's "I1202 05:19:18.658097 ..."

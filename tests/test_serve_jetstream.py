@@ -71,6 +71,7 @@ def decode(js, address, max_tokens, token_ids=None, text=None):
         return out
 
 
+@pytest.mark.slow
 def test_server_returns_engine_tokens_and_survives_bad_requests(js, core, server):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 128, size=n).tolist() for n in (6, 13)]
@@ -161,6 +162,7 @@ def test_import_tensorflow_hides_start_up_lines_unless_asked(case, tmp_path, mon
     assert capfd.readouterr().err == ("" if case == "quiet" else "I0000 loading\n")
 
 
+@pytest.mark.slow
 def test_bound_port_and_unparsable_requests(js, core, server, tmp_path, capsys):
     """A second server on the bound port fails (no SO_REUSEPORT), the CLI says so before loading a
     model; request bodies that are not a DecodeRequest (invalid UTF-8 text, garbage) are

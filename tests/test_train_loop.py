@@ -36,6 +36,7 @@ def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
     return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
 
 
+@pytest.mark.slow
 def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     # assert_aligned: the trainer raises unless its old log-probs equal the rollout's bit for bit,
     # which after the first update holds only if the engine got the updated weights

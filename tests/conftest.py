@@ -40,10 +40,41 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
+# parametrized cases left out of the fast tier (-m "not slow"), a test's other cases staying in it:
+# test -> the case ids that are slow (20-70 s each on 2 loaded cores; the whole suite runs them all)
+SLOW_CASES = {
+    # w4a16 (the default format) stays for both models; bf16 and w8a8 are the matrix's too
+    "test_alignment_model.py::test_aligned_rollout_equals_training_bitwise": (
+        "qwen3-tiny-bf16",
+        "qwen3-tiny-w8a8",
+        "qwen3-moe-tiny-bf16",
+        "qwen3-moe-tiny-w8a8",
+    ),
+    # the MoE cases of the cache and packing checks (16-24 s each); the dense and llama ones stay
+    "test_models_hf_parity.py::test_kv_cache_decode_reproduces_full_forward": (
+        "moe-top1-nonorm",
+        "moe-top2-norm-mlponly",
+        "moe-top2-sparse-step2-tied",
+    ),
+    "test_models_hf_parity.py::test_packed_segments_equal_separate_sequences": (
+        "moe-top1-nonorm",
+        "moe-top2-norm-mlponly",
+        "moe-top2-sparse-step2-tied",
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Modules holding a ``slow`` test run first (the order is otherwise kept): under the README's
-    ``-n 2 --dist loadfile`` the longest modules start at once, instead of one of them starting
-    last and leaving a worker to finish it alone."""
+    """The cases of :data:`SLOW_CASES` get the ``slow`` marker. Modules holding a ``slow`` test run
+    first (the order is otherwise kept): under the README's ``-n 2 --dist loadfile`` the longest
+    modules start at once, instead of one of them starting last and leaving a worker to finish it
+    alone."""
+    for item in items:
+        test = f"{item.path.name}::{item.originalname}"
+        case = item.name[len(item.originalname) + 1 : -1]  # "test_x[a-b]" -> "a-b"
+        if case in SLOW_CASES.get(test, ()):
+            item.add_marker(pytest.mark.slow)
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # a stable sort: the slow modules' tests first
 

@@ -42,6 +42,7 @@ def overlapped(tmp_path_factory):
     return out, train(load_config(SMOKE, [f"run.output_dir={out}", *ASYNC]))
 
 
+@pytest.mark.slow
 def test_overlapped_run_equals_its_sequential_reference(overlapped, tmp_path):
     ref_dir, ref = overlapped
     lines = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]

@@ -35,6 +35,7 @@ def write_run(run_dir: pathlib.Path, rows: list[dict], config: dict | None = Non
     return run_dir
 
 
+@pytest.mark.slow
 def test_notebook_executes_on_a_smoke_run_and_an_older_one(smoke_run, tmp_path, monkeypatch):
     # an older run, same directory name: no config.json, no mismatch or timing keys
     rows = [json.loads(line) for line in (smoke_run / "metrics.jsonl").read_text().splitlines()]
@@ -57,6 +58,7 @@ def test_notebook_executes_on_a_smoke_run_and_an_older_one(smoke_run, tmp_path, 
     assert [line.split()[1:3] for line in summary_lines[-2:]] == [["w4a16", "aligned"], ["?", "?"]]
 
 
+@pytest.mark.slow
 def test_smoke_run_loads(smoke_run):
     run = load_run(smoke_run)
     assert run.name == "aligned" and run.config["run"]["steps"] == 3

@@ -114,6 +114,7 @@ def test_library_decompresses_to_our_dequantized_weights(exports, kind, fmt):
 LOGIT_TOLERANCE = {"w4a16": 1e-5, "w8a8": 5e-2, "fp8": 1e-5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_transformers_loads_the_export(exports, fmt):
     """transformers + compressed-tensors load the export on CPU: its modules hold our dequantized

@@ -78,6 +78,7 @@ for cell in cells:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_aligned_rollout_is_bitwise_on_one_device(tmp_path, family):
     cells = FAMILY_CELLS.get(family, CELLS)

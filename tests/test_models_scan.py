@@ -104,6 +104,7 @@ def test_scanned_engine_rollout_equals_scanned_training_bitwise():
         np.testing.assert_array_equal(t, np.asarray(s.sampling_logprobs, np.float32))
 
 
+@pytest.mark.slow
 def test_remat_policies_keep_logprobs_and_gradients():
     """full / save_dots on the scanned model, under value_and_grad: the aux log-probs equal the
     per-layer model's without remat bit for bit, the gradients match it (allclose)."""

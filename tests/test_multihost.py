@@ -144,6 +144,7 @@ def test_two_processes_train_one_policy(two_process_run):
     assert not all(np.array_equal(a, b) for a, b in zip(saved, initial, strict=True))  # it trained
 
 
+@pytest.mark.slow
 def test_one_process_refuses_to_resume_a_two_process_run(two_process_run, capsys):
     run, _, _ = two_process_run
     assert main(["--config", SMOKE, f"run.output_dir={run}", *OVERRIDES, "run.steps=3"]) == 3

@@ -37,10 +37,12 @@ SCALED = tuple(float(f) for f in (1.0 / THETA ** (np.arange(0, 16, 2) / 16) / [1
 
 def rope_f64(x, pos, inv_freq=None):
     """float64 rotation at the f32 angles the kernels compute (an f32 angle of ~700 is itself only
-    good to ~3e-5, which is the model's numerics, not the kernel's error); ``inv_freq``: given
+    good to ~3e-5, which is the model's numerics, not the kernel's error; the frequencies f64
+    rounded to f32 once, as ``common.inv_freq``, not f32 ``power``, whose bits depend on the host's
+    CPU, and a 1-ulp frequency at position ~700 moves a value by ~5e-6); ``inv_freq``: given
     frequencies instead of THETA's."""
     x, d = np.asarray(x, np.float64), x.shape[-1]
-    inv = (1.0 / THETA ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+    inv = (1.0 / THETA ** (np.arange(0, d, 2) / d)).astype(np.float32)  # f64 rounded once, as the kernels
     inv = inv if inv_freq is None else np.asarray(inv_freq, np.float32)
     ang = (np.asarray(pos, np.float32)[:, None] * inv).astype(np.float64)
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]

@@ -97,6 +97,7 @@ def test_cli_prints_the_table_and_fails_what_does_not_fit(capsys):
     assert "plan error: mesh {'data': 1, 'fsdp': 8" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     """What the engine's compiled decode step moves per call (collectives of its optimized HLO). On
     the training layout (FSDP rules), which the engine decoded on before it had a layout of its

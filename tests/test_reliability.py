@@ -87,8 +87,14 @@ def test_damaged_latest_checkpoint_is_named_and_the_previous_one_restored(tmp_pa
     err = capsys.readouterr().err
     assert f"damaged checkpoint: {tmp_path}/checkpoints/2" in err and "resuming from" in err
     assert (tmp_path / "checkpoints_damaged" / "2").is_dir() and not (tmp_path / "checkpoints" / "2").exists()
-    damage(tmp_path / "checkpoints" / "1")
-    with pytest.raises(CheckpointError, match="every checkpoint is damaged"):
+    # the last one's metadata garbage (the other way a checkpoint breaks): none left to restore
+    manifests = [f for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*manifest*") if f.is_file()]
+    assert manifests
+    for f in manifests:
+        f.write_bytes(b"garbage")
+    with pytest.raises(
+        CheckpointError, match=rf"every checkpoint is damaged \({tmp_path}/checkpoints/1: cannot restore"
+    ):
         Checkpointer(tmp_path / "checkpoints", keep=3, config={"seed": 0}).restore(_state(0))
 
 

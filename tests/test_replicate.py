@@ -145,6 +145,7 @@ def _execute_notebook(results: pathlib.Path, monkeypatch) -> str:
     return "".join(o.get("text", "") for o in outputs)
 
 
+@pytest.mark.slow
 def test_notebook_executes_on_committed_results(monkeypatch):
     """Both studies: their verdicts, the long one's sweep, and the paper's numbers beside them."""
     text = _execute_notebook(COMMITTED, monkeypatch)

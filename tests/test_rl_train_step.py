@@ -113,6 +113,7 @@ def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
         assert names and all("/while/body/" in n or "/reduce_" in n for n in names), names
 
 
+@pytest.mark.slow
 def test_cutting_the_padding_changes_no_old_logprob(setup):
     """The same rows padded 7 inputs longer than they need (the loop's batch before
     train.length_buckets cuts it): the old log-probs are bitwise the cut batch's, 0 on the extra
@@ -230,6 +231,7 @@ def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup
         Trainer(naive, ObjectiveConfig(), TrainConfig(old_logprobs="rollout"), OptimizerConfig())
 
 
+@pytest.mark.slow
 def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup):
     """A batch the weights one update old rolled out (asynchronous rollouts): with pi_old the
     behaviour policy (auto, aligned) the correction weight is exactly 1 and the drift shows as

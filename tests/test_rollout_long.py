@@ -107,6 +107,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
     assert any(x.sharding.spec != P() for x, _ in moments)
 
 
+@pytest.mark.slow
 def test_long_context_benchmark_runs_at_a_tiny_shape(tmp_path):
     """benchmarks/long_context.py's memory section at toy shapes (the real ones are minutes of
     compiles): it writes its JSON with one row per length and the growth beside it."""

@@ -54,6 +54,10 @@ from qarl_jax.quant import QuantSpec
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rollout import layout
 
+# each cell compiles a training forward and an engine on 8 devices (71-156 s a cell, 26 cells): the
+# fast tier (-m 'not slow') leaves the matrix to the full suite
+pytestmark = pytest.mark.slow
+
 COMMON = dict(
     vocab_size=300,
     hidden_size=192,
@@ -251,7 +255,6 @@ def test_qwen2_and_llama_keep_the_bits_on_tensor_layouts(checkpoints, kind, fmt)
     assert mismatches(checkpoints[kind], "float32", "bfloat16", fmt, LAYOUTS[kind]) == {}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_bf16_masters_keep_the_bits_replicated_and_tensor_parallel(checkpoints, kind):
     """bfloat16 master weights (the frozen bf16 weights are then the masters themselves) with w8a8."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from qarl_jax.tools.check_alignment import KEYS, main
 
 SMALL = [
@@ -49,6 +51,7 @@ def test_naive_mode_mismatches(capsys):
     assert report["kl_k3"] > 0.0 and report["seq_ratio_quantiles"]["p0"] != 1.0
 
 
+@pytest.mark.slow
 def test_moe_tensor_and_expert_parallel_rollout_bitwise_same_routing_padded_batches(capsys):
     """The engine on tensor 2 x expert 2 x data 2 (every projection's columns and the heads split
     2 ways, each device owning 4 of the 8 experts), the trainer on FSDP in the engine's column
@@ -69,6 +72,7 @@ def test_bad_configuration_exits_2(capsys):
     assert "mesh" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tensor_parallel_training_against_replicated_rollout(capsys):
     """Training on tensor=2, the engine on its default layout (every device a replica): w8a8 stays
     bitwise (so do bf16 and w4a16, measured: the matmul kernels gather each weight whole per device,

@@ -5,6 +5,7 @@ import pathlib
 import struct
 
 import numpy as np
+import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from qarl_jax import quant, sharding
@@ -35,6 +36,7 @@ def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
     return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
 
 
+@pytest.mark.slow
 def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     # assert_aligned: the trainer raises unless its old log-probs equal the rollout's bit for bit,
     # which after the first update holds only if the engine got the updated weights
@@ -67,6 +69,7 @@ def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 3
 
 
+@pytest.mark.slow
 def test_loop_with_dapo_data_side(tmp_path):
     """Dynamic sampling (refills from the data iterator, at most 2 more rounds), the soft overlong
     punishment and overlong filtering, all on: the loop runs, logs the dynamic-sampling counts and
@@ -85,6 +88,7 @@ def test_loop_with_dapo_data_side(tmp_path):
         assert "train/truncation_rate" in m
 
 
+@pytest.mark.slow
 def test_skipped_rows_of_training_and_held_out_files_are_both_in_the_metrics(tmp_path):
     """A JSONL run with a held-out file (``data.eval_path``): the rows each file loses are counted
     by category, the training file's as ``data/skipped_*``, the held-out file's as

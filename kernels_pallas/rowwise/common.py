@@ -3,6 +3,7 @@ the same thing in the same order."""
 
 from __future__ import annotations
 
+import decimal
 import functools
 from collections.abc import Callable
 
@@ -21,12 +22,32 @@ def rms_rows(x: jax.Array, weight: jax.Array, eps: float, d: int, dtype) -> jax.
     return weight.astype(dtype) * y.astype(dtype)
 
 
+PI_40 = decimal.Decimal("3.141592653589793238462643383279502884197169399375")  # past 40 digits
+
+
+def exact_inv_freq(theta: float, d: int) -> list[decimal.Decimal]:
+    """RoPE's D/2 inverse frequencies ``1 / theta ** (2i / d)`` to 40 digits, in decimal's software
+    arithmetic: the same digits on every host (f32 or f64 ``power`` is the CPU's: numpy's AVX-512
+    path and its baseline differ in the last bit)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        base = decimal.Decimal(repr(float(theta)))
+        return [1 / base ** (decimal.Decimal(i) / d) for i in range(0, d, 2)]
+
+
+@functools.lru_cache(maxsize=64)
+def _theta_inv_freq(theta: float, d: int) -> tuple[float, ...]:
+    return tuple(float(np.float32(float(f))) for f in exact_inv_freq(theta, d))
+
+
 def inv_freq(theta: float, d: int, given: tuple[float, ...] | None = None) -> np.ndarray:
-    """RoPE's D/2 inverse frequencies, in f32 as the reference computes them: ``given`` ones (a
-    scaled RoPE's) as they are, else ``theta``'s."""
+    """RoPE's D/2 inverse frequencies in f32, host-independent constants of every backend's
+    program: ``given`` ones (a scaled RoPE's) as they are, else ``theta``'s, each the f32 nearest
+    its exact value (:func:`exact_inv_freq`; the 40-digit value goes through f64, whose second
+    rounding can only matter within 2**-29 ulp of an f32 tie, and does so on every host alike)."""
     if given is not None:
         return np.asarray(given, np.float32)
-    return 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    return np.asarray(_theta_inv_freq(float(theta), int(d)), np.float32)
 
 
 _frequencies = inv_freq  # pallas_rope's keyword ``inv_freq`` hides the function's name

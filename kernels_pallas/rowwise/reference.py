@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.rowwise import common
+
 
 def reference_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3's RMSNorm: normalise in f32, cast to the input dtype, then scale."""
@@ -20,12 +22,9 @@ def reference_rope(
 ) -> jax.Array:
     """Rotary embedding, non-interleaved halves (rotate_half), angles in f32: x [..., H, D],
     positions [...]. ``inv_freq``: the D/2 inverse frequencies of a scaled RoPE (Llama 3's),
-    used instead of ``theta``'s."""
-    d = x.shape[-1]
-    if inv_freq is None:
-        freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    else:
-        freq = jnp.asarray(inv_freq, jnp.float32)
+    used instead of ``theta``'s; theta's are computed on the host, the same bits on every host and
+    backend (:func:`common.inv_freq`)."""
+    freq = jnp.asarray(common.inv_freq(theta, x.shape[-1], inv_freq))
     angles = positions.astype(jnp.float32)[..., None] * freq
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)

@@ -6,11 +6,13 @@ safetensors names lives in ``hf_config.py`` and ``safetensors_io.py``."""
 from __future__ import annotations
 
 import dataclasses
-import math
+import decimal
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas.rowwise.common import PI_40, exact_inv_freq
 
 REMAT_POLICIES = ("full", "save_dots", "none")
 
@@ -57,18 +59,29 @@ class Llama3RopeScaling:
             raise ValueError(f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor: {self}")
 
     def inv_freq(self, theta: float, head_dim: int) -> np.ndarray:
-        """The scaled D/2 inverse frequencies in f32, step by step as transformers'
-        ``_compute_llama3_parameters`` computes them (float32 tensors)."""
-        f32 = np.float32
-        inv = f32(1.0) / (f32(theta) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
-        old = f32(self.original_max_position_embeddings)
-        low, high, factor = f32(self.low_freq_factor), f32(self.high_freq_factor), f32(self.factor)
-        wavelen = f32(2 * math.pi) / inv
-        scaled = np.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        return np.where(medium, smoothed, scaled).astype(f32)
+        """The scaled D/2 inverse frequencies: transformers' ``_compute_llama3_parameters`` formula
+        in 40-digit decimal arithmetic, rounded to f32 once. Not its f32 steps: f32 ``power`` has
+        CPU-dependent code paths (numpy's AVX-512 one differs from its baseline, torch's from both),
+        so those bits depend on the host, and two hosts of one run would bake different constants
+        into their programs; these are the same everywhere (within 3 ulp of transformers')."""
+        with decimal.localcontext() as ctx:
+            ctx.prec = 40
+            old = decimal.Decimal(self.original_max_position_embeddings)
+            low, high, factor = (
+                decimal.Decimal(repr(float(v)))
+                for v in (self.low_freq_factor, self.high_freq_factor, self.factor)
+            )
+            out = []
+            for inv in exact_inv_freq(theta, head_dim):
+                wavelen = 2 * PI_40 / inv
+                if wavelen < old / high:
+                    out.append(inv)
+                elif wavelen > old / low:
+                    out.append(inv / factor)
+                else:
+                    smooth = (old / wavelen - low) / (high - low)
+                    out.append((1 - smooth) * inv / factor + smooth * inv)
+            return np.array([float(f) for f in out], np.float64).astype(np.float32)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16")

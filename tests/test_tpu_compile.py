@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 
 import kernels_pallas as kp
 from kernels_pallas import FORMATS
+from kernels_pallas.attention import attention
 from qarl_jax.models import preset
 from qarl_jax.tools import memory_plan
 from qarl_jax.tools.tpu_compile import (
@@ -92,6 +93,32 @@ def test_kernel_digest_is_the_program_and_tiling_not_the_rows():
     assert other.digest != decode.digest
 
 
+def _attention_kernel(b: int, t: int, s: int, block_kv: int | None = None):
+    """The Mosaic kernel of attention over ``b`` rows of ``t`` queries and ``s`` keys (segment ids
+    and starts passed, as a packed training row passes them)."""
+    q = jax.ShapeDtypeStruct((b, t, 16, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, s, 8, 128), jnp.bfloat16)
+    ids, kv_ids = jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
+    fn = functools.partial(attention, block_kv=block_kv)
+    result = compile_on("v5p:2x2x1", Program("attention", fn, (q, k, k, ids, ids, ids, kv_ids)))
+    assert result.error is None, result.error
+    (kernel,) = result.kernels
+    return kernel
+
+
+def test_attention_is_one_kernel_for_training_prefill_and_decode():
+    """A packed training row (T = S = 256), a prefill chunk against a cache (T = 64, S = 512) and a
+    decode step (T = 1, S = 512) run one Mosaic attention kernel: S and T are SMEM operands and the
+    grid, and the digest abstracts the K/V blocks' key extent alone. Negative control: another key
+    block size is another kernel."""
+    train, prefill = _attention_kernel(1, 256, 256), _attention_kernel(4, 64, 512)
+    decode = _attention_kernel(16, 1, 512)
+    assert train.name == decode.name == "qarl_attention_tpu"
+    assert train.digest == prefill.digest == decode.digest
+    assert len({train.grid, prefill.grid, decode.grid}) == 3
+    assert _attention_kernel(16, 1, 512, block_kv=16).digest != decode.digest
+
+
 def test_mosaic_kernels_needs_compiled_tpu_text():
     assert mosaic_kernels("HloModule m\nENTRY e {\n}\n") == []
     assert failure_line(ValueError("first\nsecond")) == "ValueError: first"
@@ -124,8 +151,9 @@ def test_the_v5p_cells_cover_every_format_and_the_families_code():
 @pytest.mark.parametrize("name, compute, fmt", CELLS)
 def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update
-    with its gradient through the Mosaic kernels included), and the decode step's quantized matmul
-    kernels are the training programs' own (same Mosaic body and tiling)."""
+    with its gradient through the Mosaic kernels included), and every Mosaic kernel of the decode
+    step and the prefill (matmuls, attention, RMSNorm, RoPE, log-sum-exp) is one the training
+    programs run (same body and tiling; grid and, for attention, the key extent aside)."""
     code = memory_plan.main(
         [
             "--topology",
@@ -143,7 +171,8 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     assert compiled["topology"] == "v5p:2x2x1" and compiled["fits"]
     programs = compiled["programs"]
     assert set(programs) == {"old_logprobs", "update", "prefill", "decode_step"}
-    decode = {k for k in programs["decode_step"]["mosaic_kernels"] if "matmul" in k}
+    rollout = set(programs["decode_step"]["mosaic_kernels"]) | set(programs["prefill"]["mosaic_kernels"])
     training = set(programs["update"]["mosaic_kernels"]) | set(programs["old_logprobs"]["mosaic_kernels"])
-    assert decode and decode <= training, decode - training
-    assert any(f"qarl_{fmt}_" in k for k in decode)
+    assert rollout <= training, rollout - training  # every kernel of the rollout, attention included
+    names = {k.split(":")[0] for k in rollout}
+    assert {"qarl_attention_tpu", "qarl_rms_norm_tpu", "qarl_rope_tpu", f"qarl_{fmt}_matmul_tpu"} <= names

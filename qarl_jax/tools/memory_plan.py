@@ -407,12 +407,13 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
 
 
 def _kernel_line(cp: dict[str, Any]) -> str:
-    """Whether the decode step's quantized-matmul Mosaic kernels are the training programs' own."""
+    """Whether the decode step's and the prefill's Mosaic kernels are the training programs' own."""
     from qarl_jax.tools.tpu_compile import same_kernels
 
     by_name = {x.name: list(x.kernels) for x in cp["programs"]}
-    shared, missing = same_kernels(by_name["decode_step"], by_name["old_logprobs"] + by_name["update"])
-    line = f"Mosaic matmul kernels of the decode step also in the training programs: {len(shared)}"
+    rollout = by_name["decode_step"] + by_name["prefill"]
+    shared, missing = same_kernels(rollout, by_name["old_logprobs"] + by_name["update"])
+    line = f"Mosaic kernels of the decode step and the prefill also in the training programs: {len(shared)}"
     return line + (f"; NOT in them: {', '.join(missing)}" if missing else f" of {len(shared)}")
 
 

@@ -12,9 +12,9 @@ head size to a multiple of 128 lanes (zeros: they add exact zeros to the dots). 
 at an arbitrary key index (the segment start), which Mosaic cannot slice directly; the kernel loads
 the aligned window around it and rotates it into place (``pltpu.roll``, a dynamic shift), for K and
 V along sublanes and for the key segment ids, kept as one lane row per sequence, along lanes. The
-per-token position, start and segment id are scalar-prefetched into SMEM, and so are S and T. K and V rows for one
-(row, KV head) stay in VMEM while T advances (their block index does not change), which bounds the
-cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+per-token position, start and segment id are scalar-prefetched into SMEM, and so are S and T. K and
+V rows for one (row, KV head) stay in VMEM while T advances (their block index does not change),
+which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
 
 One program for training, prefill and decode. The grid is (B, KV, T), and S and T reach the body
 only as SMEM scalars, so the one thing that tells a decode step's kernel (T = 1 against the cache,

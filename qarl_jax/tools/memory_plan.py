@@ -82,6 +82,7 @@ from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
+from qarl_jax.tools import program_cost
 
 GB = 1e9
 HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "tpu7x": 192, "a100": 80, "h100": 80, "h200": 141}
@@ -367,7 +368,16 @@ def _compiled_plan(
     run["weight_sync"] = state + kv_bytes + p["frozen_training_layout"] + b["frozen"]
     peak = max(run, key=lambda name: run[name])
     hbm = p["hbm_bytes"]
+    per_engine = -(-n // (p["devices"] // p["per_host"]))  # each host's engine rolls out its share
+    calls = dict(  # a step's calls of each program, every sequence at its longest
+        decode_step=-(-per_engine // r.slots) * r.max_new_tokens,
+        prefill=-(-per_engine // engine.max_prefill_batch),
+        old_logprobs=1,
+        update=config.train.num_minibatches,
+    )
     return dict(
+        calls=calls,
+        fmt=config.quant.fmt,
         programs=programs,
         kv_cache=kv_bytes,
         run=run,
@@ -433,7 +443,20 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
         )
         for x in cp["programs"]
     }
+    floors = cp["topology"] and program_cost.floors(
+        {x.name: (x.cost, x.collective) for x in cp["programs"]},
+        cp["calls"],
+        p["bytes"]["frozen"],
+        cp["topology"].split(":")[0],
+        cp["fmt"],
+    )
+    for x in cp["programs"]:
+        programs[x.name] |= (floors or {}).get("programs", {}).get(x.name, {})
+        programs[x.name].setdefault("hbm_bytes", x.cost.hbm_bytes)
+        programs[x.name].setdefault("flops", x.cost.flops)
     return dict(
+        rl_step_floor=floors and floors["rl_step"],
+        chip=floors and floors["chip"],
         programs=programs,
         kv_cache_bytes=cp["kv_cache"],
         weight_sync_bytes=cp["run"]["weight_sync"],

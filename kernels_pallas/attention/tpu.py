@@ -137,19 +137,28 @@ def attention(
     kv_spec = pl.BlockSpec((None, None, s_pad, dp), lambda i, n, j, *_: (i, n, 0, 0))
     tok_spec = pl.BlockSpec((None, None, None, gp, dp), lambda i, n, j, *_: (i, j, n, 0, 0))
     kseg_spec = pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0))
+    out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    specs, operands = [tok_spec, kv_spec, kv_spec, kseg_spec], [qg, keys(k), keys(v), kseg[:, None, :]]
     out = pl.pallas_call(
         functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(b, kvh, t),
-            in_specs=[tok_spec, kv_spec, kv_spec, kseg_spec],
+            in_specs=specs,
             out_specs=tok_spec,
         ),
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL, vmem_bytes=_vmem_bytes(k, s_pad, dp)),
         name="qarl_attention_tpu",
         # every query against every key at most (causal masking skips about half): QK^T and PV
-        cost_estimate=cost(4 * b * t * h * s * d, q, k, v, q, transcendentals=b * t * h * s),
-    )(*scalars, qg, keys(k), keys(v), kseg[:, None, :])
+        cost_estimate=cost(
+            4 * b * t * h * s * d,
+            (b, kvh, t),
+            [*specs, tok_spec],
+            [*operands, out_shape],
+            transcendentals=b * t * h * s,
+            prefetch=scalars,
+        ),
+    )(*scalars, *operands)
     return out[:, :, :, :g, :d].reshape(b, t, h, d)

@@ -9,7 +9,7 @@ mode against the references. Their speed, and the bits a chip computes, are unme
 from __future__ import annotations
 
 import math
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import jax
 import jax.extend as jex
@@ -86,8 +86,8 @@ def block_bytes(
         axes = _grid_axes(spec.index_map, len(grid), prefetch)
         moving = [a for a in axes if grid[a] > 1]
         copies = math.prod(grid[: max(moving) + 1]) if moving else 1
-        block = spec.block_shape if spec.block_shape is not None else x.shape
-        elements = math.prod(1 if d is None else int(d) for d in block)
+        block: tuple[Any, ...] = tuple(spec.block_shape if spec.block_shape is not None else x.shape)
+        elements = math.prod([1 if d is None else int(d) for d in block])
         total += copies * elements * jnp.dtype(x.dtype).itemsize
     return total
 

@@ -50,9 +50,13 @@ peak plus what stays resident beside it (update: the frozen weights and KV cache
 also the optimizer state; decode and prefill: the train state, and for prefill the KV cache),
 and ``moved``: the GB the program's collectives deliver to each device per call (an FSDP weight
 gathered whole counts its full size; one inside the layer scan counts once per layer), from the
-optimized HLO (:mod:`qarl_jax.tools.collectives`). ``--json`` prints the plan instead of the
+optimized HLO (:mod:`qarl_jax.tools.collectives`). With ``--topology`` also, per program, the HBM
+bytes and MXU FLOPs of the compiled TPU program and a floor in seconds on the chip's published
+figures, and the RL step's floor (:mod:`qarl_jax.tools.program_cost`): floors, not timings.
+``--json`` prints the plan instead of the
 tables, as the one JSON object on stdout: ``{"plan": {...}, "compiled": {"programs": {"decode_step":
-{"collective_bytes": N, "temp_bytes": N, ...}, ...}, ...}}`` (``compiled`` with ``--compiled``).
+{"collective_bytes": N, "hbm_bytes": N, "flops": N, "seconds_floor": S, ...}, ...}, "rl_step_floor":
+{...}, ...}}`` (``compiled`` with ``--compiled``; the floors with ``--topology``).
 Compiling a large model on CPU takes minutes.
 """
 
@@ -333,11 +337,12 @@ def compiled_plan(
             else f"the mesh needs {p['devices']} chips, TPU topology {topology} has {len(devices)}"
         )
     with tpu_compile.tpu_kernels() if topology else contextlib.nullcontext():
-        return _compiled_plan(config, p, preset_name, devices) | dict(topology=topology)
+        chip = tpu_compile.generation(topology) if topology else None
+        return _compiled_plan(config, p, preset_name, devices, chip) | dict(topology=topology)
 
 
 def _compiled_plan(
-    config: Config, p: dict[str, Any], preset_name: str | None, devices: list
+    config: Config, p: dict[str, Any], preset_name: str | None, devices: list, generation: str | None
 ) -> dict[str, Any]:
     from qarl_jax.tools import compiled_memory
 
@@ -375,9 +380,11 @@ def _compiled_plan(
         old_logprobs=1,
         update=config.train.num_minibatches,
     )
+    floors = generation and program_cost.floors(
+        {x.name: (x.cost, x.collective) for x in programs}, calls, b["frozen"], generation, config.quant.fmt
+    )
     return dict(
-        calls=calls,
-        fmt=config.quant.fmt,
+        floors=floors,
         programs=programs,
         kv_cache=kv_bytes,
         run=run,
@@ -402,6 +409,8 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
     if cp["topology"]:
         lines[0] = f"compiled by the TPU compiler for {cp['topology']} (memory_analysis per chip, GB):"
         lines.append("  " + _kernel_line(cp))
+    if cp["floors"]:
+        lines += program_cost.format_floors(cp["floors"])
     lines.append(
         f"  weight sync {cp['run']['weight_sync'] / GB:.2f} GB: the train state, the KV cache and the new"
         " frozen weights on the training layout and on the engine's"
@@ -443,13 +452,7 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
         )
         for x in cp["programs"]
     }
-    floors = cp["topology"] and program_cost.floors(
-        {x.name: (x.cost, x.collective) for x in cp["programs"]},
-        cp["calls"],
-        p["bytes"]["frozen"],
-        cp["topology"].split(":")[0],
-        cp["fmt"],
-    )
+    floors = cp["floors"]
     for x in cp["programs"]:
         programs[x.name] |= (floors or {}).get("programs", {}).get(x.name, {})
         programs[x.name].setdefault("hbm_bytes", x.cost.hbm_bytes)

@@ -87,46 +87,61 @@ def _dot_flops(shape: str, opcode: str, rest: str, shapes: dict[str, str]) -> in
     return 2 * out * math.prod(kernel) // kernel[labels.group(1).index("o")]
 
 
-def _sliced(body, index: int, bodies) -> int | None:
-    """Bytes a fusion body reads of its parameter ``index`` where it only slices it (directly or
-    through a nested fusion that only slices it), else None (it reads it whole)."""
-    name = next((n for n, _, op, r in body if op == "parameter" and r.startswith(f"{index})")), None)
-    total, used = 0, False
-    for _, s, opcode, r in body:
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # op -> its update operand
+
+
+def _use(body, name: str | None, bodies) -> tuple[int, int] | None:
+    """(bytes read, bytes written in place) of a fusion body's value ``name`` where the body only
+    slices it (``dynamic-slice``, ``slice``) or updates it in place (``dynamic-update-slice``,
+    ``scatter``: the KV cache), directly or through a bitcast or a nested fusion; None where some
+    use reads it whole."""
+    read = written = 0
+    used = False
+    for n, s, opcode, r in body:
         args = _operands(r)
         if name not in args:
             continue
         used = True
         nested = re.search(r"calls=%?([\w.\-]+)", r) if opcode == "fusion" else None
         if opcode in _SLICES and args[0] == name:
-            total += array_bytes(s)
-        elif nested and args.count(name) == 1:
-            inner = _sliced(bodies.get(nested.group(1), []), args.index(name), bodies)
+            read += array_bytes(s)
+        elif opcode in _IN_PLACE and args[0] == name and args.count(name) == 1:
+            update = args[_IN_PLACE[opcode]] if len(args) > _IN_PLACE[opcode] else ""
+            written += next((array_bytes(x) for m, x, _, _ in body if m == update), 0)
+        elif opcode == "bitcast":
+            inner = _use(body, n, bodies)
             if inner is None:
                 return None
-            total += inner
+            read, written = read + inner[0], written + inner[1]
+        elif nested and args.count(name) == 1:
+            fused = bodies.get(nested.group(1), [])
+            param = next(
+                (m for m, _, op, x in fused if op == "parameter" and x.startswith(f"{args.index(name)})")),
+                None,
+            )
+            inner = _use(fused, param, bodies)
+            if inner is None:
+                return None
+            read, written = read + inner[0], written + inner[1]
         else:
             return None
-    return total if used else None
+    return (read, written) if used else None
 
 
 def _fusion_bytes(shape: str, operand_shapes: list[str], fused, bodies) -> int:
-    """Bytes a fusion moves: each operand whole unless the fused body only slices it, the result
-    unless the root updates an operand in place (then the update, read and written)."""
-    total = 0
+    """Bytes a fusion moves: each operand whole unless the fused body only slices it or updates it
+    in place (then the slices, and the updates read and written), and its result, less any buffer
+    updated in place (which the result holds: aliased, not rewritten)."""
+    params = {int(r.split(")")[0]): n for n, _, op, r in fused if op == "parameter"}
+    total, in_place = 0, 0
     for i, operand in enumerate(operand_shapes):
-        sliced = _sliced(fused, i, bodies)
-        total += array_bytes(operand) if sliced is None else sliced
-    root = fused[-1] if fused else None
-    if root and root[2] == "dynamic-update-slice":
-        args = _operands(root[3])
-        update = next((s for n, s, _, _ in fused if len(args) > 1 and n == args[1]), "")
-        params = {n: int(r.split(")")[0]) for n, _, op, r in fused if op == "parameter"}
-        in_place = params.get(args[0]) if args else None
-        if in_place is not None:
-            total -= array_bytes(operand_shapes[in_place]) - array_bytes(update)
-            return total + array_bytes(update)
-    return total + array_bytes(shape)
+        use = _use(fused, params.get(i), bodies)
+        if use is None:
+            total += array_bytes(operand)
+            continue
+        total += use[0] + 2 * use[1]
+        in_place += array_bytes(operand) if use[1] else 0
+    return total + max(0, array_bytes(shape) - in_place)
 
 
 def program_cost(hlo_text: str, unknown_trips: int | None = None) -> Cost:
@@ -217,3 +232,16 @@ def floors(
     step = rl_step_floor({n: float(v["seconds_floor"]) for n, v in per.items()}, calls, sync_bytes, chip)
     chip_figures = dataclasses.asdict(chip) | dict(name=generation)
     return dict(programs=per, rl_step=step | dict(calls=calls), chip=chip_figures)
+
+
+def format_floors(floors: dict) -> list[str]:
+    """:func:`floors` as lines: per program its HBM GB, TFLOPs and floor; the RL step's by part."""
+    chip, step = floors["chip"], floors["rl_step"]
+    lines = [f"  floors on a {chip['name']} chip (published figures, {chip['source']}; floors, not timings):"]
+    for name, x in floors["programs"].items():
+        lines.append(
+            f"  {name:<14}{x['hbm_bytes'] / 1e9:>10.2f} GB HBM {x['flops'] / 1e12:>9.3f} TFLOP"
+            f"  floor {x['seconds_floor'] * 1e3:>10.3f} ms ({x['bound']})"
+        )
+    parts = ", ".join(f"{k} {v:.4g} s ({step['calls'].get(k, 1)}x)" for k, v in step["parts"].items())
+    return lines + [f"  RL step floor {step['seconds_floor']:.4g} s: {parts}"]

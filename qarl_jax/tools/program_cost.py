@@ -103,7 +103,7 @@ def _use(body, name: str | None, bodies) -> tuple[int, int] | None:
             continue
         used = True
         nested = re.search(r"calls=%?([\w.\-]+)", r) if opcode == "fusion" else None
-        if opcode in _SLICES and args[0] == name:
+        if opcode in _SLICES + ("gather",) and args[0] == name:  # a gather reads its result's rows
             read += array_bytes(s)
         elif opcode in _IN_PLACE and args[0] == name and args.count(name) == 1:
             update = args[_IN_PLACE[opcode]] if len(args) > _IN_PLACE[opcode] else ""
@@ -173,6 +173,8 @@ def program_cost(hlo_text: str, unknown_trips: int | None = None) -> Cost:
             fused = fusion_of.search(rest) if opcode == "fusion" else None
             if fused:
                 moved = _fusion_bytes(shape, operand_shapes, module.body.get(fused.group(1), []), module.body)
+            elif opcode == "gather":  # the rows it picks (its result), the indices, the result
+                moved = 2 * array_bytes(shape) + sum(array_bytes(s) for s in operand_shapes[1:])
             else:
                 moved = sum(array_bytes(s) for s in operand_shapes) + array_bytes(shape)
             hbm += moved * runs

@@ -12,13 +12,17 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import kernels_pallas as kp
 from kernels_pallas import FORMATS
+from kernels_pallas.attention import attention
 from qarl_jax.models import preset
 from qarl_jax.tools import memory_plan
+from qarl_jax.tools.program_cost import Cost, program_cost
 from qarl_jax.tools.tpu_compile import (
     Program,
     check_kernels,
@@ -92,6 +96,58 @@ def test_kernel_digest_is_the_program_and_tiling_not_the_rows():
     assert other.digest != decode.digest
 
 
+def _attention_kernel(b: int, t: int, s: int, block_kv: int | None = None):
+    """The Mosaic kernel of attention over ``b`` rows of ``t`` queries and ``s`` keys (segment ids
+    and starts passed, as a packed training row passes them)."""
+    q = jax.ShapeDtypeStruct((b, t, 16, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, s, 8, 128), jnp.bfloat16)
+    ids, kv_ids = jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
+    fn = functools.partial(attention, block_kv=block_kv)
+    result = compile_on("v5p:2x2x1", Program("attention", fn, (q, k, k, ids, ids, ids, kv_ids)))
+    assert result.error is None, result.error
+    (kernel,) = result.kernels
+    return kernel
+
+
+def test_attention_is_one_kernel_for_training_prefill_and_decode():
+    """A packed training row (T = S = 256), a prefill chunk against a cache (T = 64, S = 512) and a
+    decode step (T = 1, S = 512) run one Mosaic attention kernel: S and T are SMEM operands and the
+    grid, and the digest abstracts the K/V blocks' key extent alone. Negative control: another key
+    block size is another kernel."""
+    train, prefill = _attention_kernel(1, 256, 256), _attention_kernel(4, 64, 512)
+    decode = _attention_kernel(16, 1, 512)
+    assert train.name == decode.name == "qarl_attention_tpu"
+    assert train.digest == prefill.digest == decode.digest
+    assert len({train.grid, prefill.grid, decode.grid}) == 3
+    assert _attention_kernel(16, 1, 512, block_kv=16).digest != decode.digest
+
+
+def test_program_cost_counts_loop_trips_slices_and_in_place_updates():
+    """XLA's cost_analysis counts a scan's body once; program_cost counts it per trip (10 layers:
+    10x the FLOPs of one, each layer's weights read once, a slice of the stack), and a KV-cache
+    style in-place update moves the update, not the buffer."""
+    devices = topology_devices("v5p:2x2x1")
+    one = NamedSharding(Mesh(np.array(devices[:1]), ("chip",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16, sharding=one)
+
+    def cost(n: int) -> Cost:
+        w = jax.ShapeDtypeStruct((n, 1024, 1024), jnp.bfloat16, sharding=one)
+        scan = lambda x, w: jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]  # noqa: E731
+        return program_cost(jax.jit(scan).lower(x, w).compile().as_text())
+
+    one_layer, ten = cost(1), cost(10)
+    assert one_layer.flops == 2 * 256 * 1024 * 1024 and ten.flops == 10 * one_layer.flops
+    weights = 1024 * 1024 * 2
+    assert weights < one_layer.hbm_bytes < 2 * weights and 10 * weights < ten.hbm_bytes < 30 * weights
+    cache = jax.ShapeDtypeStruct((4, 2048, 8, 128), jnp.bfloat16, sharding=one)
+    update = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16, sharding=one)
+    i = jax.ShapeDtypeStruct((), jnp.int32, sharding=one)
+    write = jax.jit(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0, 0)), donate_argnums=0)
+    assert (
+        program_cost(write.lower(cache, update, i).compile().as_text()).hbm_bytes <= 3 * 4 * 8 * 128 * 2 + 64
+    )
+
+
 def test_mosaic_kernels_needs_compiled_tpu_text():
     assert mosaic_kernels("HloModule m\nENTRY e {\n}\n") == []
     assert failure_line(ValueError("first\nsecond")) == "ValueError: first"
@@ -124,8 +180,9 @@ def test_the_v5p_cells_cover_every_format_and_the_families_code():
 @pytest.mark.parametrize("name, compute, fmt", CELLS)
 def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update
-    with its gradient through the Mosaic kernels included), and the decode step's quantized matmul
-    kernels are the training programs' own (same Mosaic body and tiling)."""
+    with its gradient through the Mosaic kernels included), and every Mosaic kernel of the decode
+    step and the prefill (matmuls, attention, RMSNorm, RoPE, log-sum-exp) is one the training
+    programs run (same body and tiling; grid and, for attention, the key extent aside)."""
     code = memory_plan.main(
         [
             "--topology",
@@ -143,7 +200,19 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     assert compiled["topology"] == "v5p:2x2x1" and compiled["fits"]
     programs = compiled["programs"]
     assert set(programs) == {"old_logprobs", "update", "prefill", "decode_step"}
-    decode = {k for k in programs["decode_step"]["mosaic_kernels"] if "matmul" in k}
+    rollout = set(programs["decode_step"]["mosaic_kernels"]) | set(programs["prefill"]["mosaic_kernels"])
     training = set(programs["update"]["mosaic_kernels"]) | set(programs["old_logprobs"]["mosaic_kernels"])
-    assert decode and decode <= training, decode - training
-    assert any(f"qarl_{fmt}_" in k for k in decode)
+    # every kernel of the rollout is a training kernel, attention included, but one: the sampler's
+    # tempered log-softmax (the distribution tokens are drawn from, logits / a per-slot temperature
+    # in f32) where the trainer's logits are bf16 (the MoE cells); the policy log-prob's own
+    # log-sum-exp (bf16 logits) is the trainer's
+    extra = rollout - training
+    assert all(k.startswith("qarl_logsumexp_tpu:") for k in extra), extra
+    assert any(k.startswith("qarl_logsumexp_tpu:") for k in rollout & training)
+    for name, x in programs.items():  # the compiled program's cost and its floor on a v5p chip
+        assert x["hbm_bytes"] > 0 and x["flops"] > 0 and x["seconds_floor"] > 0, name
+    step = compiled["rl_step_floor"]
+    assert set(step["parts"]) == {*programs, "weight_sync"}
+    assert step["seconds_floor"] == pytest.approx(sum(step["parts"].values()))
+    names = {k.split(":")[0] for k in rollout}
+    assert {"qarl_attention_tpu", "qarl_rms_norm_tpu", "qarl_rope_tpu", f"qarl_{fmt}_matmul_tpu"} <= names

@@ -12,14 +12,28 @@ head size to a multiple of 128 lanes (zeros: they add exact zeros to the dots). 
 at an arbitrary key index (the segment start), which Mosaic cannot slice directly; the kernel loads
 the aligned window around it and rotates it into place (``pltpu.roll``, a dynamic shift), for K and
 V along sublanes and for the key segment ids, kept as one lane row per sequence, along lanes. The
-per-token position, start and segment id are scalar-prefetched into SMEM. K and V rows for one
-(row, KV head) stay in VMEM while T advances (their block index does not change), which bounds the
-cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+per-token position, start and segment id are scalar-prefetched into SMEM, and so are S and T. K and
+V rows for one (row, KV head) stay in VMEM while T advances (their block index does not change),
+which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+
+One program for training, prefill and decode. The grid is (B, KV, T), and S and T reach the body
+only as SMEM scalars, so the one thing that tells a decode step's kernel (T = 1 against the cache,
+S = the cache length) from the training forward's (T = S = the row) in the compiled Mosaic body is
+the key extent S_pad of the K, V and key-segment blocks (:data:`EXTENT_AXES`), the size of the VMEM
+buffer those rows are copied into. It cannot change a row's arithmetic: the body never reads a
+block whole, only windows of ``block_kv + 16`` rows (K, V) and ``128 + block_kv`` lanes (segment
+ids) at data-dependent offsets, of static shapes that depend on ``block_kv`` and D alone; the loop
+runs ``position // block_kv + 1`` times, a datum; keys at or past S are masked by comparison with
+the SMEM scalar. So ``qarl_jax.tools.tpu_compile.mosaic_kernels`` digests the body with exactly
+those three extents abstracted (and the grid and SMEM lengths, as for every kernel): a decode step,
+a prefill and a training forward show as one kernel, and another ``block_kv`` (other window and
+dot shapes) as another.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +46,9 @@ from kernels_pallas._tiling import pad_axis, round_up
 from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
 
 _ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
+# the blocks' axes that hold the key extent S_pad, by block (q, K, V, key segments, output): the
+# only extents in the compiled body (the module doc says why they cannot change a row's bits)
+EXTENT_AXES: Final = {1: 2, 2: 2, 3: 2}
 
 
 def _shift(r: jax.Array, size: int) -> jax.Array:
@@ -57,7 +74,8 @@ def _lane_window(ref, off: jax.Array, width: int, lanes: int) -> jax.Array:
     return pltpu.roll(x, _shift(off - base, lanes), 1)[:, :width]
 
 
-def _kernel(pos_ref, st_ref, seg_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, block_kv, scale, s, t):
+def _kernel(pos_ref, st_ref, seg_ref, len_ref, q_ref, k_ref, v_ref, kseg_ref, o_ref, *, block_kv, scale):
+    s, t = len_ref[0], len_ref[1]  # operands, not constants: see "One program" above
     i = pl.program_id(0) * t + pl.program_id(2)
     pos, start, seg = pos_ref[i], st_ref[i], seg_ref[i]
     q = q_ref[...].astype(jnp.float32)
@@ -115,23 +133,32 @@ def attention(
         return pad_axis(pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)
 
     pos, st, seg, kseg = token_ids(positions, starts, segment_ids, kv_segment_ids, s, s_pad)
-    scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1))
+    scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1), jnp.array([s, t], jnp.int32))
     kv_spec = pl.BlockSpec((None, None, s_pad, dp), lambda i, n, j, *_: (i, n, 0, 0))
     tok_spec = pl.BlockSpec((None, None, None, gp, dp), lambda i, n, j, *_: (i, j, n, 0, 0))
     kseg_spec = pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0))
+    out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+    specs, operands = [tok_spec, kv_spec, kv_spec, kseg_spec], [qg, keys(k), keys(v), kseg[:, None, :]]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5, s=s, t=t),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(b, kvh, t),
-            in_specs=[tok_spec, kv_spec, kv_spec, kseg_spec],
+            in_specs=specs,
             out_specs=tok_spec,
         ),
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL, vmem_bytes=_vmem_bytes(k, s_pad, dp)),
         name="qarl_attention_tpu",
         # every query against every key at most (causal masking skips about half): QK^T and PV
-        cost_estimate=cost(4 * b * t * h * s * d, q, k, v, q, transcendentals=b * t * h * s),
-    )(*scalars, qg, keys(k), keys(v), kseg[:, None, :])
+        cost_estimate=cost(
+            4 * b * t * h * s * d,
+            (b, kvh, t),
+            [*specs, tok_spec],
+            [*operands, out_shape],
+            transcendentals=b * t * h * s,
+            prefetch=scalars,
+        ),
+    )(*scalars, *operands)
     return out[:, :, :, :g, :d].reshape(b, t, h, d)

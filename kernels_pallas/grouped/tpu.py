@@ -77,11 +77,13 @@ def grouped_matmul(
     kernel = functools.partial(
         _kernel, fmt=fmt, group_size=w.group_size, step_k=step, block_m=bm, cdt=compute_dtype(x.dtype, w)
     )
+    grid = (n_pad // bn, tiles[0].shape[0], k_pad // step)
+    out_spec = pl.BlockSpec((bm, bn), lambda j, t, kk, te, tb, *_: (tb[t], j))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(n_pad // bn, tiles[0].shape[0], k_pad // step),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda j, t, kk, te, tb, *_: (tb[t], j)),
+        out_specs=out_spec,
         scratch_shapes=[pltpu.VMEM((bm, bn), acc_dtype(fmt))],
     )
     out_shape = jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype)
@@ -93,6 +95,8 @@ def grouped_matmul(
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, ARBITRARY, ARBITRARY),
         name=f"qarl_{fmt}_grouped_matmul_tpu",
-        cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, *args, out_shape),
+        cost_estimate=cost(
+            2 * ops.m_pad * n_pad * k_pad, grid, [*in_specs, out_spec], [*args, out_shape], prefetch=tiles
+        ),
     )(*tiles, *args)
     return out[:m, : w.n]

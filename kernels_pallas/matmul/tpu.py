@@ -153,16 +153,18 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
 
     cdt = common.compute_dtype(x.dtype, w)
     out_shape = jax.ShapeDtypeStruct((ops.m_pad, n_pad), out_dtype)
+    grid = (ops.m_pad // bm, n_pad // bn, k_pad // step)
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j))
     out = pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, group_size=w.group_size, step_k=step, cdt=cdt),
         out_shape=out_shape,
-        grid=(ops.m_pad // bm, n_pad // bn, k_pad // step),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        out_specs=out_spec,
         scratch_shapes=[pltpu.VMEM((bm, bn), common.acc_dtype(fmt))],
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, PARALLEL, ARBITRARY),
         name=f"qarl_{fmt}_matmul_tpu",
-        cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, *args, out_shape),
+        cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, grid, [*in_specs, out_spec], [*args, out_shape]),
     )(*args)
     return out[:m, : w.n]

@@ -20,23 +20,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, interpret_mode
+from kernels_pallas._mosaic import ARBITRARY, LANES, PARALLEL, compiler_params, cost, interpret_mode
 from kernels_pallas._tiling import pad_axis, pad_to_block, round_up
 from kernels_pallas.rowwise.common import BLOCK_ROWS, lse_step, pallas_rope, rms_rows
 from kernels_pallas.rowwise.common import scale_rows as scale_rows
 
 
-def _row_call(kernel, out_shape, in_specs, out_spec, *args, interpret: bool, name: str):
-    """``kernel`` over the row blocks of ``args[0]`` (rows already padded), one program a block."""
+def _row_call(kernel, out_shape, in_specs, out_spec, *args, interpret: bool, name: str, per_element=(4, 0)):
+    """``kernel`` over the row blocks of ``args[0]`` (rows already padded), one program a block;
+    ``per_element``: (flops, transcendentals) an element of ``args[0]`` costs (VPU work)."""
+    grid = (args[0].shape[0] // BLOCK_ROWS,)
+    n = args[0].size
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(args[0].shape[0] // BLOCK_ROWS,),
+        grid=grid,
         in_specs=in_specs,
         out_specs=out_spec,
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL),
         name=name,
+        cost_estimate=cost(
+            per_element[0] * n,
+            grid,
+            [*in_specs, out_spec],
+            [*args, out_shape],
+            transcendentals=per_element[1] * n,
+        ),
     )(*args)
 
 
@@ -86,7 +96,16 @@ def _rope(x: jax.Array, positions: jax.Array, inv: np.ndarray, interpret: bool) 
     kernel = functools.partial(_rope_kernel, half=d // 2)
     out_shape = jax.ShapeDtypeStruct(xp.shape, x.dtype)
     out = _row_call(
-        kernel, out_shape, specs, _rows(dp), xp, pp, freq, interpret=interpret, name="qarl_rope_tpu"
+        kernel,
+        out_shape,
+        specs,
+        _rows(dp),
+        xp,
+        pp,
+        freq,
+        interpret=interpret,
+        name="qarl_rope_tpu",
+        per_element=(6, 2),
     )
     return out[: m * h, :d].reshape(m, h, d)
 
@@ -122,15 +141,22 @@ def logsumexp(x: jax.Array, *, block_v: int, interpret: bool = False) -> jax.Arr
     bv = chunk_width(block_v)
     m, v = x.shape
     xp = pad_to_block(pad_axis(x, 1, round_up(v, bv), float("-inf")), BLOCK_ROWS)
+    grid = (xp.shape[0] // BLOCK_ROWS, xp.shape[1] // bv)
+    out_shape = jax.ShapeDtypeStruct((xp.shape[0], 1), jnp.float32)
+    specs = [
+        pl.BlockSpec((BLOCK_ROWS, bv), lambda i, c: (i, c)),
+        pl.BlockSpec((BLOCK_ROWS, 1), lambda i, c: (i, 0)),
+    ]
     out = pl.pallas_call(
         _lse_kernel,
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], 1), jnp.float32),
-        grid=(xp.shape[0] // BLOCK_ROWS, xp.shape[1] // bv),
-        in_specs=[pl.BlockSpec((BLOCK_ROWS, bv), lambda i, c: (i, c))],
-        out_specs=pl.BlockSpec((BLOCK_ROWS, 1), lambda i, c: (i, 0)),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=specs[:1],
+        out_specs=specs[1],
         scratch_shapes=[pltpu.VMEM((BLOCK_ROWS, 1), jnp.float32)] * 2,
         interpret=interpret_mode(interpret),
         compiler_params=compiler_params(PARALLEL, ARBITRARY),
         name="qarl_logsumexp_tpu",
+        cost_estimate=cost(3 * xp.size, grid, specs, [xp, out_shape], transcendentals=xp.size),
     )(xp)
     return out[:m, 0]

@@ -14,6 +14,7 @@ lower bound on its traffic. Asynchronous pairs (``all-gather-start`` / ``-done``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 
@@ -29,7 +30,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
-def _array_bytes(shape: str) -> int:
+def array_bytes(shape: str) -> int:
     """Bytes of every array in an HLO result shape (a tuple's elements added up)."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
@@ -43,10 +44,23 @@ def _kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) -> dict[str, int]:
-    """{collective kind: result bytes per device per call of the program} of an optimized HLO
-    module's text (``compiled.as_text()``); kinds absent from it are absent."""
-    body: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """An optimized HLO module's text, parsed: each computation's instructions as (name, result
+    shape, opcode, the rest of the line), how often each computation runs per call of the entry
+    (a loop body once per trip, a callee as often as its caller), and those under a loop of
+    unknown trip count."""
+
+    body: dict[str, list[tuple[str, str, str, str]]]
+    runs: dict[str, int]
+    under_unknown: set[str]
+
+
+def parse(hlo_text: str, unknown_trips: int | None = None) -> Module:
+    """The :class:`Module` of ``compiled.as_text()``; a loop whose trip count XLA does not know (the
+    CPU row-block loops: theirs passes an optimization barrier) runs ``unknown_trips`` times, which
+    the caller states (it knows its row blocks); without it, what runs under such a loop is marked."""
+    body: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
     named: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # computation -> name -> (opcode, rest)
     names: list[str] = []  # in print order: XLA prints a computation before any that calls it
     entry, current = None, None
@@ -59,19 +73,15 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
             continue
         m = _INSTRUCTION.match(line)
         if m and current is not None:
-            body[current].append((m.group(2), m.group(3), m.group(4)))
+            body[current].append((m.group(1), m.group(2), m.group(3), m.group(4)))
             named[current][m.group(1)] = (m.group(3), m.group(4))
     if entry is None:
         raise ValueError("not an HLO module's text: no ENTRY computation")
-    # how often each computation runs per call of the entry, callers before callees; a loop whose
-    # trip count XLA does not know (the CPU row-block loops: theirs passes an optimization barrier)
-    # runs ``unknown_trips`` times, which the caller states (it knows its row blocks); without it a
-    # collective under such a loop is an error rather than a wrong figure
-    runs: dict[str, int] = defaultdict(int)
+    runs: dict[str, int] = defaultdict(int)  # callers before callees
     runs[entry] = 1
     under_unknown: set[str] = set()  # computations run by a loop of unknown trip count
     for name in reversed(names):
-        for _, opcode, rest in body[name]:
+        for _, _, opcode, rest in body[name]:
             times, unknown = runs[name], name in under_unknown
             if opcode == "while":
                 known = _TRIPS.search(rest)
@@ -86,15 +96,23 @@ def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) ->
                 runs[callee] += times
                 if unknown:
                     under_unknown.add(callee)
+    return Module(dict(body), dict(runs), under_unknown)
+
+
+def collective_bytes_by_kind(hlo_text: str, unknown_trips: int | None = None) -> dict[str, int]:
+    """{collective kind: result bytes per device per call of the program} of an optimized HLO
+    module's text (``compiled.as_text()``); kinds absent from it are absent. A collective under a
+    loop of unknown trip count (see :func:`parse`) is an error rather than a wrong figure."""
+    module = parse(hlo_text, unknown_trips)
     totals: dict[str, int] = defaultdict(int)
-    for name, instructions in body.items():
-        for shape, opcode, _ in instructions:
+    for name, instructions in module.body.items():
+        for _, shape, opcode, _ in instructions:
             kind = _kind(opcode)
             if kind is None:
                 continue
-            if name in under_unknown:
+            if name in module.under_unknown:
                 raise ValueError(f"a {kind} in {name} runs in a loop of unknown trip count: cannot count it")
-            totals[kind] += _array_bytes(shape) * runs[name]
+            totals[kind] += array_bytes(shape) * module.runs.get(name, 0)
     return dict(totals)
 
 

@@ -43,6 +43,7 @@ from qarl_jax.rl.train_step import (
 from qarl_jax.rollout import layout
 from qarl_jax.rollout.engine import DecodeState, EngineConfig, RolloutEngine
 from qarl_jax.tools.collectives import collective_bytes
+from qarl_jax.tools.program_cost import Cost, program_cost
 from qarl_jax.tools.tpu_compile import MosaicKernel, failure_line, mosaic_kernels
 
 
@@ -59,6 +60,7 @@ class Compiled:
     compile_s: float
     collective: int
     kernels: tuple[MosaicKernel, ...] = ()  # a TPU program's Mosaic kernels, in order
+    cost: Cost = Cost(0, 0)  # HBM bytes and MXU FLOPs per call (qarl_jax.tools.program_cost)
 
     @property
     def peak(self) -> int:
@@ -88,6 +90,7 @@ def compile_memory(name: str, jitted, *args, row_blocks: int | None = None) -> C
         seconds,
         collective_bytes(text, row_blocks),
         tuple(mosaic_kernels(text)),
+        program_cost(text, row_blocks),
     )
 
 

@@ -51,9 +51,13 @@ peak plus what stays resident beside it (update: the frozen weights and KV cache
 also the optimizer state; decode and prefill: the train state, and for prefill the KV cache),
 and ``moved``: the GB the program's collectives deliver to each device per call (an FSDP weight
 gathered whole counts its full size; one inside the layer scan counts once per layer), from the
-optimized HLO (:mod:`qarl_jax.tools.collectives`). ``--json`` prints the plan instead of the
+optimized HLO (:mod:`qarl_jax.tools.collectives`). With ``--topology`` also, per program, the HBM
+bytes and MXU FLOPs of the compiled TPU program and a floor in seconds on the chip's published
+figures, and the RL step's floor (:mod:`qarl_jax.tools.program_cost`): floors, not timings.
+``--json`` prints the plan instead of the
 tables, as the one JSON object on stdout: ``{"plan": {...}, "compiled": {"programs": {"decode_step":
-{"collective_bytes": N, "temp_bytes": N, ...}, ...}, ...}}`` (``compiled`` with ``--compiled``).
+{"collective_bytes": N, "hbm_bytes": N, "flops": N, "seconds_floor": S, ...}, ...}, "rl_step_floor":
+{...}, ...}}`` (``compiled`` with ``--compiled``; the floors with ``--topology``).
 Compiling a large model on CPU takes minutes.
 """
 
@@ -83,6 +87,7 @@ from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
+from qarl_jax.tools import program_cost
 from qarl_jax.tools.host_memory import HOST_RAM_GB, format_host, host_plan
 
 GB = 1e9
@@ -341,11 +346,12 @@ def compiled_plan(
             else f"the mesh needs {p['devices']} chips, TPU topology {topology} has {len(devices)}"
         )
     with tpu_compile.tpu_kernels() if topology else contextlib.nullcontext():
-        return _compiled_plan(config, p, preset_name, devices) | dict(topology=topology)
+        chip = tpu_compile.generation(topology) if topology else None
+        return _compiled_plan(config, p, preset_name, devices, chip) | dict(topology=topology)
 
 
 def _compiled_plan(
-    config: Config, p: dict[str, Any], preset_name: str | None, devices: list
+    config: Config, p: dict[str, Any], preset_name: str | None, devices: list, generation: str | None
 ) -> dict[str, Any]:
     from qarl_jax.tools import compiled_memory
 
@@ -376,7 +382,18 @@ def _compiled_plan(
     run["weight_sync"] = state + kv_bytes + p["frozen_training_layout"] + b["frozen"]
     peak = max(run, key=lambda name: run[name])
     hbm = p["hbm_bytes"]
+    per_engine = -(-n // (p["devices"] // p["per_host"]))  # each host's engine rolls out its share
+    calls = dict(  # a step's calls of each program, every sequence at its longest
+        decode_step=-(-per_engine // r.slots) * r.max_new_tokens,
+        prefill=-(-per_engine // engine.max_prefill_batch),
+        old_logprobs=1,
+        update=config.train.num_minibatches,
+    )
+    floors = generation and program_cost.floors(
+        {x.name: (x.cost, x.collective) for x in programs}, calls, b["frozen"], generation, config.quant.fmt
+    )
     return dict(
+        floors=floors,
         programs=programs,
         kv_cache=kv_bytes,
         run=run,
@@ -401,6 +418,8 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
     if cp["topology"]:
         lines[0] = f"compiled by the TPU compiler for {cp['topology']} (memory_analysis per chip, GB):"
         lines.append("  " + _kernel_line(cp))
+    if cp["floors"]:
+        lines += program_cost.format_floors(cp["floors"])
     lines.append(
         f"  weight sync {cp['run']['weight_sync'] / GB:.2f} GB: the train state, the KV cache and the new"
         " frozen weights on the training layout and on the engine's"
@@ -416,12 +435,13 @@ def format_compiled(cp: dict[str, Any], p: dict[str, Any]) -> str:
 
 
 def _kernel_line(cp: dict[str, Any]) -> str:
-    """Whether the decode step's quantized-matmul Mosaic kernels are the training programs' own."""
+    """Whether the decode step's and the prefill's Mosaic kernels are the training programs' own."""
     from qarl_jax.tools.tpu_compile import same_kernels
 
     by_name = {x.name: list(x.kernels) for x in cp["programs"]}
-    shared, missing = same_kernels(by_name["decode_step"], by_name["old_logprobs"] + by_name["update"])
-    line = f"Mosaic matmul kernels of the decode step also in the training programs: {len(shared)}"
+    rollout = by_name["decode_step"] + by_name["prefill"]
+    shared, missing = same_kernels(rollout, by_name["old_logprobs"] + by_name["update"])
+    line = f"Mosaic kernels of the decode step and the prefill also in the training programs: {len(shared)}"
     return line + (f"; NOT in them: {', '.join(missing)}" if missing else f" of {len(shared)}")
 
 
@@ -441,7 +461,14 @@ def compiled_json(cp: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
         )
         for x in cp["programs"]
     }
+    floors = cp["floors"]
+    for x in cp["programs"]:
+        programs[x.name] |= (floors or {}).get("programs", {}).get(x.name, {})
+        programs[x.name].setdefault("hbm_bytes", x.cost.hbm_bytes)
+        programs[x.name].setdefault("flops", x.cost.flops)
     return dict(
+        rl_step_floor=floors and floors["rl_step"],
+        chip=floors and floors["chip"],
         programs=programs,
         kv_cache_bytes=cp["kv_cache"],
         weight_sync_bytes=cp["run"]["weight_sync"],

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import kernels_pallas as kp
 from kernels_pallas import formats
 from kernels_pallas.attention import attention
+from kernels_pallas.attention import tpu as attention_tpu
 from kernels_pallas.rowwise import rms_norm, rope, token_logprobs
 from qarl_jax import cli
 from qarl_jax.errors import PlanError
@@ -155,7 +156,8 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
         bounds = re.search(r"iteration_bounds = array<i64(?:: ([\d, ]*))?>", text)
         grid = tuple(int(x) for x in bounds.group(1).split(",")) if bounds and bounds.group(1) else ()
         name = re.search(r"func\.func @(\w+)", text)
-        body = re.sub(r"iteration_bounds = array<i64[^>]*>", "", text)
+        body = _without_extents(text, EXTENTS.get(name.group(1), {}) if name else {}, len(grid))
+        body = re.sub(r"iteration_bounds = array<i64[^>]*>", "", body)
         body = re.sub(r"memref<\d+x(i32, #tpu\.memory_space<smem>)>", r"memref<?x\1>", body)
         kernels.append(
             MosaicKernel(name.group(1) if name else "?", grid, hashlib.sha256(body.encode()).hexdigest()[:16])
@@ -163,12 +165,45 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
     return kernels
 
 
+# a kernel's blocks whose extent (a sequence length) its docstring shows changes no row's bits:
+# {kernel name: {block index: axis}}
+EXTENTS: dict[str, dict[int, int]] = {"qarl_attention_tpu": attention_tpu.EXTENT_AXES}
+
+
+def _without_extents(text: str, axes: dict[int, int], grid_rank: int) -> str:
+    """The Mosaic module ``text`` with the extent of each block ``axes`` names (block index -> axis)
+    written ``?``: in its window bounds and its memref type, wherever that type occurs (a load, a
+    store); nothing else changes. Blocks count from the first operand after the grid indices and
+    the scalar-prefetched operands."""
+    if not axes:
+        return text
+    sig = re.search(r"func\.func @\w+\((.*?)\) attributes \{(.*)", text)
+    prefetch = re.search(r"scalar_prefetch = (\d+)", text)
+    assert sig and prefetch, "not a Mosaic kernel's module"
+    types = re.findall(r"%arg\d+: (memref<[^<>]*(?:<[^<>]*>)?>|\w+)", sig.group(1))
+    blocks = types[grid_rank + int(prefetch.group(1)) :]
+    for i, axis in axes.items():
+        shape, rest = re.fullmatch(r"memref<([\dx]+?)x([a-z]\w*, .*)", blocks[i]).groups()  # type: ignore[union-attr]
+        dims = shape.split("x")
+        dims[axis] = "?"
+        text = text.replace(blocks[i], f"memref<{'x'.join(dims)}x{rest}")
+    windows = iter(range(len(blocks)))
+
+    def bound(m: re.Match) -> str:
+        i, dims = next(windows), m.group(1).split(", ")
+        if i in axes:
+            dims[axes[i]] = "?"
+        return f"window_bounds = array<i64: {', '.join(dims)}>"
+
+    return re.sub(r"window_bounds = array<i64: ([\d, ]+)>", bound, text)
+
+
 def same_kernels(rollout: list[MosaicKernel], training: list[MosaicKernel]) -> tuple[list[str], list[str]]:
-    """(the rollout's quantized-matmul kernels that the training programs also run, those they do
-    not), as ``name:digest``: the compiler-level form of "rollout and training run the same
-    kernels" (one digest: one program for every grid cell, whatever M)."""
+    """(the rollout's Mosaic kernels that the training programs also run, those they do not), as
+    ``name:digest``: the compiler-level form of "rollout and training run the same kernels" (one
+    digest: one program for every grid cell, whatever M, T or, for attention, S)."""
     trained = {(k.name, k.digest) for k in training}
-    keys = sorted({(k.name, k.digest) for k in rollout if "matmul" in k.name})
+    keys = sorted({(k.name, k.digest) for k in rollout})
     shared = [f"{n}:{d}" for n, d in keys if (n, d) in trained]
     return shared, [f"{n}:{d}" for n, d in keys if (n, d) not in trained]
 

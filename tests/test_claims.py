@@ -67,6 +67,11 @@ CLAIMS: dict[str, list[str] | str] = {
         "tests/test_tools_check_alignment.py::test_tensor_parallel_training_against_replicated_rollout",
         "tests/test_rollout_layout.py::test_engine_on_its_layout_samples_what_one_device_samples",
     ],
+    "TPU floors of the real run, from the compiler (not timings)": [
+        "tests/test_tpu_compile.py::test_program_cost_counts_loop_trips_slices_and_in_place_updates",
+        "tests/test_tpu_compile.py::test_the_run_compiles_for_a_v5p_slice",
+        "tests/test_cost_estimate.py::test_matmul_estimate_is_what_its_blocks_move",
+    ],
     "Real-run configs fit their HBM (XLA's compiled plan)": [
         "tests/test_real_run_configs.py::test_real_run_config_shards_and_fits",
         "tests/test_real_run_configs.py::test_cli_prints_the_table_and_fails_what_does_not_fit",

@@ -1,4 +1,4 @@
-"""XLA:CPU's per-call allocations with glibc's default malloc thresholds against ``qarl_jax.heap``'s.
+"""XLA:CPU's per-call allocations with glibc's default malloc thresholds against ``qarl_jax.run.heap``'s.
 
 The training update (the default run's shape: qwen3-tiny, 16 rows x 48 tokens, w4a16 aligned)
 runs in child processes started alternately without and with ``GLIBC_TUNABLES`` set as
@@ -69,16 +69,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.calls)))
         return
-    from qarl_jax.heap import TUNABLES, tuned_environ
+    from qarl_jax.run.heap import TUNABLES, tuned_environ
 
     default = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     tuned = tuned_environ(default)
     if tuned is None:
         sys.exit("heap.py: glibc's tunables do not apply here (not Linux with glibc)")
-    runs: dict[str, list[dict]] = {"glibc default": [], "qarl_jax.heap": []}
+    runs: dict[str, list[dict]] = {"glibc default": [], "qarl_jax.run.heap": []}
     cmd = [sys.executable, __file__, "--child", f"--calls={args.calls}"]
     for i in range(args.pairs):
-        for name, env in (("glibc default", default), ("qarl_jax.heap", tuned)):
+        for name, env in (("glibc default", default), ("qarl_jax.run.heap", tuned)):
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"pair {i + 1}/{args.pairs} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
@@ -88,7 +88,7 @@ def main() -> None:
     print(f"{'':16s}" + "".join(f"{k:>14s}" for k in keys))
     for name, m in medians.items():
         print(f"{name:16s}" + "".join(f"{m[k]:14.1f}" for k in keys))
-    a, b = medians["glibc default"], medians["qarl_jax.heap"]
+    a, b = medians["glibc default"], medians["qarl_jax.run.heap"]
     print(f"wall ratio (heap / default): {b['wall_ms'] / a['wall_ms']:.3f}   GLIBC_TUNABLES={TUNABLES}")
     if args.json:
         with open(args.json, "w") as f:

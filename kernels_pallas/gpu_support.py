@@ -1,5 +1,5 @@
 """Which formats a GPU can run, by its compute capability: refused in one line where the GPU kernels
-are chosen (and by ``qarl_jax.build`` before a checkpoint loads), not deep in Triton's lowering.
+are chosen (and by ``qarl_jax.run.build`` before a checkpoint loads), not deep in Triton's lowering.
 
 fp8's Triton kernels widen float8_e4m3fn tiles to bf16, and Triton converts e4m3 only from
 compute capability 8.9 (Ada, Hopper, Blackwell: JAX's Pallas-Triton lowering checks the same

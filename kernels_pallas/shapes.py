@@ -1,5 +1,5 @@
 """The model shapes each Pallas backend's kernels tile, refused in one line before a run (by
-``qarl_jax.build``, before a checkpoint loads) rather than in a kernel's trace. The CPU path (and
+``qarl_jax.run.build``, before a checkpoint loads) rather than in a kernel's trace. The CPU path (and
 XLA's) takes every shape the formats take.
 
 - GPU (Pallas-Triton): attention and RoPE hold a head in one power-of-two Triton block of at least

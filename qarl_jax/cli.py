@@ -186,7 +186,7 @@ def add_json(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_multihost(parser: argparse.ArgumentParser) -> None:
-    """The multi-host flags (:func:`qarl_jax.distributed.maybe_initialize` reads them, else the
+    """The multi-host flags (:func:`qarl_jax.run.distributed.maybe_initialize` reads them, else the
     $JAX_* environment variables)."""
     group = parser.add_argument_group("multi-host (jax.distributed; nothing to give on one host)")
     group.add_argument(

@@ -130,7 +130,7 @@ class RunConfig:
     overwrite: bool = False  # replace a run directory that has logs but no checkpoint to resume
     log_every: int = 1  # progress-bar refresh; every step is written to metrics.jsonl
     eval_every: int = 40  # 0: only before the first and after the last step
-    eval_prompts: int = 64  # held-out prompts (the test split; see qarl_jax.train.eval_set), greedy
+    eval_prompts: int = 64  # held-out prompts (the test split; see qarl_jax.run.train.eval_set), greedy
     eval_samples: int = 0  # k > 0: also k samples per held-out prompt at the rollout temperature (pass@k)
     eval_bf16: bool = False  # also evaluate the master weights in the unquantized bf16 format
     checkpoint_every: int = 20  # 0: only at the end

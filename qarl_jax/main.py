@@ -1,7 +1,7 @@
 """``python -m qarl_jax.main [--config FILE.yaml] [key=value ...] [--export-hf DIR]
 [--export-compressed-tensors DIR] [--print-config] [multi-host flags]``
 
-Trains a policy with quantized rollouts (see :mod:`qarl_jax.train`). With no arguments: the
+Trains a policy with quantized rollouts (see :mod:`qarl_jax.run.train`). With no arguments: the
 embedded default, a tiny Qwen3 policy on the synthetic arithmetic task with w4a16 rollouts, the
 aligned training forward and TBPO, on whatever devices JAX finds. Rerunning the same command
 resumes from the run directory's latest checkpoint.
@@ -12,14 +12,14 @@ On N hosts, run the same command on each with ``--coordinator HOST:PORT --num-pr
 the hosts are detected without a flag. The run directory must be one that every host reaches (a
 bucket, a shared filesystem): hosts that do not share it are refused before any work (exit 7). A
 SIGTERM on any host stops every process after the same step, saved (exit 75). See
-:mod:`qarl_jax.distributed`, :mod:`qarl_jax.hosts`, :mod:`qarl_jax.preemption`.
+:mod:`qarl_jax.run.distributed`, :mod:`qarl_jax.run.hosts`, :mod:`qarl_jax.run.preemption`.
 
 Every error a user can cause ends the command with one line on stderr and a non-zero exit code,
 the same in every command (:data:`qarl_jax.cli.EXIT_CODES`: 2 usage or config, 3 checkpoint, 4
 data, 5 output, 6 grader, 7 hosts apart, 75 preempted, 130 Ctrl-C).
 
 On Linux with glibc the command first re-executes itself once with malloc thresholds that keep
-XLA:CPU's per-call temporaries in the heap (:mod:`qarl_jax.heap`; a ``GLIBC_TUNABLES`` of your own
+XLA:CPU's per-call temporaries in the heap (:mod:`qarl_jax.run.heap`; a ``GLIBC_TUNABLES`` of your own
 that sets any ``glibc.malloc`` tunable is kept instead).
 """
 
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import yaml
 
-    from qarl_jax import distributed
     from qarl_jax.config import load_config, to_dict
+    from qarl_jax.run import distributed
 
     config = load_config(args.config, args.overrides)
     if args.print_config:
@@ -98,9 +98,9 @@ def _run(args: argparse.Namespace) -> int:
     _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     from qarl_jax import storage
-    from qarl_jax.build import build_tokenizer
     from qarl_jax.models import save_pretrained
-    from qarl_jax.train import train
+    from qarl_jax.run.build import build_tokenizer
+    from qarl_jax.run.train import train
 
     result = train(config)
     if export_hf is not None:
@@ -137,7 +137,7 @@ def _compilation_cache(directory: str | None) -> None:
 
 
 if __name__ == "__main__":
-    from qarl_jax.heap import reexec_with_tunables
+    from qarl_jax.run.heap import reexec_with_tunables
 
-    reexec_with_tunables()  # XLA:CPU's temporaries kept in the heap (see qarl_jax.heap)
+    reexec_with_tunables()  # XLA:CPU's temporaries kept in the heap (see qarl_jax.run.heap)
     sys.exit(main())

@@ -61,8 +61,8 @@ def check_port(host: str, port: int) -> None:
 def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> int:
     """Write the policy of ``run_dir``'s checkpoint ``step`` (None: the newest intact) to ``out``
     as a Hugging Face directory; returns the step. The run's mesh is replaced by this host's devices."""
-    from qarl_jax.build import build_tokenizer, restore_policy
     from qarl_jax.models import save_pretrained
+    from qarl_jax.run.build import build_tokenizer, restore_policy
 
     config, model, params, step = restore_policy(run_dir, step)
     save_pretrained(out, model.config, params, build_tokenizer(config))
@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     path = storage.parse(args.checkpoint, "--checkpoint")  # local or gs://
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path}: no such file or directory")
-    from qarl_jax.build import is_hf_dir, run_checkpoint
+    from qarl_jax.run.build import is_hf_dir, run_checkpoint
 
     with contextlib.ExitStack() as stack:
         if not is_hf_dir(path):

@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import optax
 
 from qarl_jax import cli, quant, storage
-from qarl_jax.build import check_model_files, eos_ids, eval_set, model_dir
 from qarl_jax.config import ModelConfig, load_config
 from qarl_jax.data import DataConfig, build_arithmetic_tokenizer, build_dataset, make_source
-from qarl_jax.heldout_eval import evaluate
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rollout import EngineConfig, RolloutEngine
+from qarl_jax.run.build import check_model_files, eos_ids, eval_set, model_dir
+from qarl_jax.run.heldout_eval import evaluate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Test set-up: 8 fake CPU devices (set before JAX is imported) so sharding tests run anywhere;
 one persistent XLA compilation cache for the whole run; the CLI's malloc tunables
-(:mod:`qarl_jax.heap`) for the processes started after this point (the pytest-xdist workers and the
+(:mod:`qarl_jax.run.heap`) for the processes started after this point (the pytest-xdist workers and the
 commands tests run)."""
 
 import os
@@ -32,7 +32,7 @@ import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from qarl_jax.heap import tuned_environ  # noqa: E402
+from qarl_jax.run.heap import tuned_environ  # noqa: E402
 
 os.environ.update(tuned_environ(os.environ) or {})
 

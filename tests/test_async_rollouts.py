@@ -19,7 +19,7 @@ from qarl_jax.main import main
 from qarl_jax.rollout.driver import Sample
 from qarl_jax.rollout.groups import Groups
 from qarl_jax.rollout.overlap import PhaseClock, Produced, run_phases
-from qarl_jax.train import train
+from qarl_jax.run.train import train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
 STEPS = 3

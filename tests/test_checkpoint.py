@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qarl_jax.build import run_checkpoint
-from qarl_jax.checkpoint import Checkpointer, CheckpointError
 from qarl_jax.config import load_config
 from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rl.train_step import TrainState
+from qarl_jax.run.build import run_checkpoint
+from qarl_jax.run.checkpoint import Checkpointer, CheckpointError
+from qarl_jax.run.train import train
 from qarl_jax.tools import verify_checkpoint
-from qarl_jax.train import train
 
 STEPS = 4
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
@@ -193,7 +193,7 @@ def test_late_reads_of_a_failed_restore_are_not_reported(capsys, monkeypatch):
     import asyncio
     import types
 
-    from qarl_jax.checkpoint import quiet_late_read_callbacks
+    from qarl_jax.run.checkpoint import quiet_late_read_callbacks
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)

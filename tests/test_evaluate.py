@@ -22,8 +22,6 @@ import numpy as np
 import pytest
 
 from qarl_jax import sharding
-from qarl_jax.build import build_policy
-from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.data.config import SyntheticConfig
 from qarl_jax.data.synthetic import SyntheticArithmetic
@@ -34,6 +32,8 @@ from qarl_jax.evaluate.metrics import majority, pass_at_k
 from qarl_jax.evaluate.run import variants
 from qarl_jax.rewards import extract_choice, grade_choice, grade_math, grade_number
 from qarl_jax.rl.train_step import Trainer
+from qarl_jax.run.build import build_policy
+from qarl_jax.run.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = REPO / "configs" / "loop_smoke.yaml"

@@ -1,5 +1,6 @@
-"""qarl_jax.runlog reads run directories (and says clearly what it cannot read); notebooks/explore_run.ipynb
-runs top to bottom on a real smoke run beside an older-style run that lacks some keys."""
+"""qarl_jax.run.runlog reads run directories (and says clearly what it cannot read);
+notebooks/explore_run.ipynb runs top to bottom on a real smoke run beside an older-style run that
+lacks some keys."""
 
 import json
 import math
@@ -11,8 +12,8 @@ import pytest
 from nbclient import NotebookClient
 
 from qarl_jax.config import load_config
-from qarl_jax.runlog import RunLogError, load_run, load_runs, rolling_mean, summary
-from qarl_jax.train import train
+from qarl_jax.run.runlog import RunLogError, load_run, load_runs, rolling_mean, summary
+from qarl_jax.run.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "explore_run.ipynb"

@@ -14,9 +14,9 @@ import pytest
 import kernels_pallas as kp
 from kernels_pallas import gpu_support
 from kernels_pallas.gpu_support import unsupported
-from qarl_jax.build import build_policy
 from qarl_jax.config import load_config
 from qarl_jax.errors import CheckpointError, ConfigError
+from qarl_jax.run.build import build_policy
 
 A100 = ("8.0", "NVIDIA A100-SXM4-80GB")
 A100_LINE = (

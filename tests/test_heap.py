@@ -1,4 +1,4 @@
-"""qarl_jax.heap: the malloc thresholds the CLI re-executes itself with (glibc only)."""
+"""qarl_jax.run.heap: the malloc thresholds the CLI re-executes itself with (glibc only)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from qarl_jax import heap
+from qarl_jax.run import heap
 
 glibc = pytest.mark.skipif(not heap.on_glibc(), reason="glibc's tunables only")
 
@@ -24,7 +24,7 @@ def test_tunables_are_added_to_what_is_set_and_a_users_malloc_setting_wins():
 def test_the_process_reexecutes_once_with_the_tunables():
     """The real exec: the same command runs again (once) with the thresholds in its environment."""
     code = (
-        "import os, sys; from qarl_jax.heap import reexec_with_tunables; "
+        "import os, sys; from qarl_jax.run.heap import reexec_with_tunables; "
         "print('run', flush=True); reexec_with_tunables(); print(os.environ['GLIBC_TUNABLES'])"
     )
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}

@@ -14,19 +14,8 @@ import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("kernels_pallas", "qarl_jax")
-BASE = ("errors", "sharding", "quiet_import", "heap", "progress", "cli", "storage")
-LIFECYCLE = (
-    "config",
-    "build",
-    "checkpoint",
-    "distributed",
-    "rundir",
-    "runlog",
-    "train",
-    "heldout_eval",
-    "hosts",
-    "preemption",
-)
+BASE = ("errors", "sharding", "quiet_import", "cli", "storage")
+LIFECYCLE = ("config", "run")  # qarl_jax/run/: the run's lifecycle
 ENTRY = ("main", "serve", "sft", "evaluate", "tools", "experiments")
 FLOORS = [("quant",), ("models",), ("data", "rewards"), ("rollout",), ("rl",), LIFECYCLE, ENTRY]
 

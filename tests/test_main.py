@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rl.train_step import TrainState
+from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.tools.export import export_checkpoint
 
 SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")

@@ -7,11 +7,11 @@ import pytest
 from etils import epath
 
 from qarl_jax import sharding as sh
-from qarl_jax.build import check_model_files, model_dir
 from qarl_jax.config import ModelConfig
 from qarl_jax.errors import ConfigError
 from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
 from qarl_jax.models.hf_io import load_config, load_params
+from qarl_jax.run.build import check_model_files, model_dir
 
 
 @pytest.fixture

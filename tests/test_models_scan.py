@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qarl_jax import sharding
-from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.models import KVCache, Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
 from qarl_jax.models.qwen3 import DecoderLayer, _layer_class
 from qarl_jax.models.stacking import layer_location, layer_runs, stack_layers, unstack_layers
@@ -23,6 +22,7 @@ from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rl.train_step import TrainState
 from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
 from qarl_jax.rollout import rollout as engine_rollout
+from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.tools.routing import routed_experts
 
 # two runs: dense layers 0-1 (a stack of 2), MoE layer 2

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 from qarl_jax import quant, sharding
-from qarl_jax.build import build_engine, build_policy, build_tokenizer, eval_set
-from qarl_jax.checkpoint import Checkpointer
 from qarl_jax.config import load_config, to_dict
-from qarl_jax.heldout_eval import Evaluator
 from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.train_step import Trainer
+from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, eval_set
+from qarl_jax.run.checkpoint import Checkpointer
+from qarl_jax.run.heldout_eval import Evaluator
 
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = str(REPO / "configs" / "loop_smoke.yaml")

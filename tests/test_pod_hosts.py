@@ -16,11 +16,11 @@ import threading
 
 import pytest
 
-from qarl_jax import distributed
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
-from qarl_jax.preemption import Watch
-from qarl_jax.train import train
+from qarl_jax.run import distributed
+from qarl_jax.run.preemption import Watch
+from qarl_jax.run.train import train
 
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = str(REPO / "configs" / "loop_smoke.yaml")

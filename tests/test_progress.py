@@ -3,7 +3,7 @@ where it is, nothing with ``run.progress=false``."""
 
 import io
 
-from qarl_jax.progress import StepReport
+from qarl_jax.run.progress import StepReport
 
 METRICS = {
     "reward_mean": 0.53125,

@@ -14,8 +14,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qarl_jax import rundir
-from qarl_jax.checkpoint import Checkpointer, fingerprints
 from qarl_jax.data import DataConfig, SyntheticConfig, build_arithmetic_tokenizer, build_pipeline
 from qarl_jax.data.jsonl import JsonlSource
 from qarl_jax.errors import CheckpointError, DataError, GraderError, RunDirError
@@ -29,7 +27,9 @@ from qarl_jax.models import (
 )
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.train_step import TrainState
-from qarl_jax.runlog import MetricsLog
+from qarl_jax.run import rundir
+from qarl_jax.run.checkpoint import Checkpointer, fingerprints
+from qarl_jax.run.runlog import MetricsLog
 from qarl_jax.tools import verify_checkpoint
 
 SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
@@ -151,7 +151,7 @@ def test_wandb_is_not_imported_unless_asked():
     import subprocess
     import sys
 
-    code = "import sys, qarl_jax.train, qarl_jax.runlog; print('wandb' in sys.modules)"
+    code = "import sys, qarl_jax.run.train, qarl_jax.run.runlog; print('wandb' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
     )
@@ -187,7 +187,7 @@ def test_data_loss_is_counted_by_reason_and_a_threshold_stops_naming_file_and_li
 
 
 def test_evals_never_see_training_rows(tmp_path):
-    from qarl_jax.build import eval_set, training_data
+    from qarl_jax.run.build import eval_set, training_data
 
     rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a in range(10) for b in range(10)]
     path = write_jsonl(tmp_path / "train.jsonl", rows)

@@ -21,11 +21,11 @@ import pytest
 
 import kernels_pallas as kp
 from kernels_pallas.shapes import unsupported_shape
-from qarl_jax.build import quant_group_sizes
 from qarl_jax.errors import ConfigError
 from qarl_jax.models import preset
 from qarl_jax.models.hf_io import config_to_hf
 from qarl_jax.quant import QuantSpec, aqt, dot, quantize_params
+from qarl_jax.run.build import quant_group_sizes
 from qarl_jax.tools.check_alignment import main
 
 # hidden 192 = 6 heads of 32 (2 kv heads), MLP 512: 128 divides only the down projection's K

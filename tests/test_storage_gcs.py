@@ -19,14 +19,15 @@ import pytest
 from etils import epath
 from tensorboardX.proto.event_pb2 import Event
 
-from qarl_jax import rundir, storage
-from qarl_jax.checkpoint import Checkpointer
+from qarl_jax import storage
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.errors import ConfigError, RunDirError
 from qarl_jax.main import main
+from qarl_jax.run import rundir
+from qarl_jax.run.checkpoint import Checkpointer
+from qarl_jax.run.train import train
 from qarl_jax.tools import verify_checkpoint
 from qarl_jax.tools.export import export_checkpoint
-from qarl_jax.train import train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
 
@@ -177,7 +178,7 @@ def test_the_bucket_lock_refuses_a_second_holder_and_takes_over_from_a_gone_one(
         assert "Traceback" not in "\n".join(err) and objects(run) == [rundir.LOCK_FILE]
     assert not (run / rundir.LOCK_FILE).exists()  # released: deleted
     # a holder killed (SIGKILL) on this host: its pid is not running
-    holder = "from qarl_jax import rundir, storage; import time\n"
+    holder = "from qarl_jax import storage; from qarl_jax.run import rundir; import time\n"
     holder += f"rundir.BucketLock(storage.parse('{run}', 'run')).__enter__()\n"
     holder += "print('held', flush=True); time.sleep(600)"
     proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)

@@ -9,12 +9,12 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from qarl_jax import quant, sharding
-from qarl_jax.build import PACKAGE_DIR, build_engine, build_policy, build_tokenizer, eval_set, model_dir
 from qarl_jax.config import load_config
-from qarl_jax.heldout_eval import Evaluator, eval_seed
 from qarl_jax.rewards import Grader
-from qarl_jax.runlog import MetricsLog
-from qarl_jax.train import _objective, step_seed, train
+from qarl_jax.run.build import PACKAGE_DIR, build_engine, build_policy, build_tokenizer, eval_set, model_dir
+from qarl_jax.run.heldout_eval import Evaluator, eval_seed
+from qarl_jax.run.runlog import MetricsLog
+from qarl_jax.run.train import _objective, step_seed, train
 
 SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
 

@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         if line := bench.skipped_line():
             print(f"qarl: {line}", file=sys.stderr, flush=True)
     print("qarl: importing JAX and loading the checkpoint", file=sys.stderr, flush=True)
-    from qarl_jax import distributed
+    from qarl_jax.run import distributed
 
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     report = _evaluate(args, benches)
@@ -127,13 +127,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace, benches) -> dict:
     """The report: figures per weights variant and benchmark, the table, and every sample."""
-    from qarl_jax import distributed
-    from qarl_jax.build import build_tokenizer
     from qarl_jax.config import to_dict
     from qarl_jax.evaluate import metrics
     from qarl_jax.evaluate.run import Sampling, encode, engine_config, evaluate_variant, load_policy, variants
-    from qarl_jax.progress import grader_warning
     from qarl_jax.rewards import Grader
+    from qarl_jax.run import distributed
+    from qarl_jax.run.build import build_tokenizer
+    from qarl_jax.run.progress import grader_warning
 
     policy = load_policy(args.checkpoint, args.overrides)
     tokenizer = build_tokenizer(policy.config)

@@ -25,17 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from qarl_jax import distributed, sharding, storage
-from qarl_jax.build import (
-    architecture,
-    build_engine,
-    build_policy,
-    check_model_files,
-    engine_layout,
-    is_hf_dir,
-    restore_policy,
-    run_checkpoint,
-)
+from qarl_jax import sharding, storage
 from qarl_jax.config import Config, load_config, parse_overrides
 from qarl_jax.data.templates import apply_template, cut_at_stop, stop_strings
 from qarl_jax.errors import CheckpointError, ConfigError
@@ -45,7 +35,18 @@ from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rewards import Grader
 from qarl_jax.rollout import GREEDY, SamplingParams, layout, rollout
-from qarl_jax.rundir import say
+from qarl_jax.run import distributed
+from qarl_jax.run.build import (
+    architecture,
+    build_engine,
+    build_policy,
+    check_model_files,
+    engine_layout,
+    is_hf_dir,
+    restore_policy,
+    run_checkpoint,
+)
+from qarl_jax.run.rundir import say
 
 RUN_OVERRIDABLE = ("quant", "rollout", "data", "rewards")  # a run's other sections describe its weights
 ALL_DEVICES = sharding.MeshConfig()  # the master weights' mesh, whatever mesh a run trained on

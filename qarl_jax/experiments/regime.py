@@ -38,8 +38,8 @@ import sys
 
 from qarl_jax import cli
 from qarl_jax.config import load_config
-from qarl_jax.runlog import load_run
-from qarl_jax.train import train
+from qarl_jax.run.runlog import load_run
+from qarl_jax.run.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHORT_STUDY_KL = 2.4e-3  # the naive arm's mismatch in results/replication, mean over its 150 steps

@@ -35,7 +35,7 @@ import time
 from qarl_jax import cli
 from qarl_jax.config import load_config
 from qarl_jax.experiments.summary import run_summary, write_summary
-from qarl_jax.train import train
+from qarl_jax.run.train import train
 
 ARMS: dict[str, list[str]] = {
     "bf16": ["quant.fmt=bf16", "quant.group_size=null", "objective.name=grpo"],

@@ -20,8 +20,8 @@ import pathlib
 
 import numpy as np
 
-from qarl_jax import runlog
-from qarl_jax.runlog import RunLog, load_run
+from qarl_jax.run import runlog
+from qarl_jax.run.runlog import RunLog, load_run
 
 # Average pass@1 on math benchmarks as secondary accounts of the paper report them
 PAPER = {

@@ -42,12 +42,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qarl_jax import cli, sharding
-from qarl_jax.build import build_policy, build_tokenizer, engine_layout, eos_ids, quant_group_sizes
 from qarl_jax.config import Config, ConfigError, load_config
 from qarl_jax.rl.alignment import generated_logprobs, pack
 from qarl_jax.rl.batch import training_batch
 from qarl_jax.rl.logprobs import logprob_loss, training_model
 from qarl_jax.rollout import EngineConfig, RolloutEngine, Sample, SamplingParams, layout, rollout
+from qarl_jax.run.build import build_policy, build_tokenizer, engine_layout, eos_ids, quant_group_sizes
 from qarl_jax.tools.routing import RouteRecorder, routed_experts
 
 KEYS = (

@@ -26,9 +26,9 @@ def export_checkpoint(checkpoint: str | pathlib.Path, out: str | pathlib.Path, h
     compressed-tensors checkpoint, or (``hf``) the master weights as Hugging Face safetensors.
     Returns the step exported."""
     from qarl_jax import storage
-    from qarl_jax.build import build_tokenizer, restore_policy, run_checkpoint
     from qarl_jax.config import load_config
     from qarl_jax.models.compressed_tensors import check_exportable
+    from qarl_jax.run.build import build_tokenizer, restore_policy, run_checkpoint
 
     path = storage.parse(checkpoint, "CHECKPOINT")
     run = run_checkpoint(path)

@@ -78,7 +78,6 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from qarl_jax import cli, sharding
-from qarl_jax.build import model_dir
 from qarl_jax.config import Config, ConfigError, ModelConfig, load_config
 from qarl_jax.errors import PlanError
 from qarl_jax.models import KVCache, Qwen3ForCausalLM, TransformerConfig, preset
@@ -87,6 +86,7 @@ from qarl_jax.rl.logprobs import head_chunk_tokens
 from qarl_jax.rl.train_step import make_optimizer
 from qarl_jax.rollout import EngineConfig, layout
 from qarl_jax.rollout.engine import bucket
+from qarl_jax.run.build import model_dir
 from qarl_jax.tools import program_cost
 from qarl_jax.tools.host_memory import HOST_RAM_GB, format_host, host_plan
 

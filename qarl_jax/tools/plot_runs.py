@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 from qarl_jax import cli
-from qarl_jax.runlog import load_runs, rolling_mean
+from qarl_jax.run.runlog import load_runs, rolling_mean
 
 # what matplotlib's savefig writes from an Agg canvas, by file name ending
 FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")

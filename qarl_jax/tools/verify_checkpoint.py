@@ -3,7 +3,7 @@
 ``DIR`` is a run directory, its ``checkpoints`` directory (every step is checked) or one step
 (``RUN/checkpoints/23``), on a disk or in a bucket (``gs://BUCKET/RUN``). Each step's arrays are
 read back onto this host's first device, their fingerprints recomputed and compared with those
-saved beside them (:mod:`qarl_jax.checkpoint`), and the data state's digest checked. Prints one
+saved beside them (:mod:`qarl_jax.run.checkpoint`), and the data state's digest checked. Prints one
 line per step; exits 1 when any is damaged (naming the array or file), 3 (a checkpoint error, as
 in every command) when ``DIR`` holds no checkpoint. Nothing is written or moved.
 """
@@ -17,7 +17,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from qarl_jax import cli, storage
-from qarl_jax.checkpoint import (
+from qarl_jax.errors import CheckpointError
+from qarl_jax.run.checkpoint import (
     DamagedCheckpoint,
     compare,
     data_digest,
@@ -25,7 +26,6 @@ from qarl_jax.checkpoint import (
     first_line,
     read_failure,
 )
-from qarl_jax.errors import CheckpointError
 
 
 def _steps(path: epath.Path) -> tuple[epath.Path, list[int]]:

@@ -6,7 +6,7 @@ Per step: a batch of prompts -> G samples each from the rollout engine (frozen q
 log-probs, minibatch updates on the float master weights) -> quantize once and hand the new frozen
 weights to the engine. Every step appends one flat metrics dict to ``metrics.jsonl`` in the run
 directory (and its numbers to TensorBoard event files in ``tb/``); held-out evals
-(:mod:`qarl_jax.heldout_eval`) run before the first step, every ``run.eval_every`` steps and after the
+(:mod:`qarl_jax.run.heldout_eval`) run before the first step, every ``run.eval_every`` steps and after the
 last; checkpoints every ``run.checkpoint_every`` steps and at the end.
 
 Every random stream is derived from ``(seed, step)`` (rollout keys, minibatch order) and the data
@@ -29,8 +29,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from qarl_jax import distributed, hosts, preemption, rundir, runlog, sharding, storage
-from qarl_jax.build import (
+from qarl_jax import sharding, storage
+from qarl_jax.config import Config, to_dict
+from qarl_jax.data import build_pipeline
+from qarl_jax.data.templates import stop_strings
+from qarl_jax.errors import CheckpointError, ConfigError, Interrupted, Preempted
+from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.rewards import GRADER_COUNTS, Grader
+from qarl_jax.rl import dapo
+from qarl_jax.rl.advantages import group_advantages
+from qarl_jax.rl.batch import RolloutBatch, bucketed_length
+from qarl_jax.rl.train_step import Trainer, TrainState
+from qarl_jax.rollout import RolloutEngine, SamplingParams, layout, rollout
+from qarl_jax.rollout.overlap import PhaseClock, Produced, device_groups, run_phases
+from qarl_jax.run import distributed, hosts, preemption, rundir, runlog
+from qarl_jax.run.build import (
     build_engine,
     build_policy,
     build_tokenizer,
@@ -39,22 +52,10 @@ from qarl_jax.build import (
     eval_set,
     training_data,
 )
-from qarl_jax.checkpoint import Checkpointer
-from qarl_jax.config import Config, to_dict
-from qarl_jax.data import build_pipeline
-from qarl_jax.data.templates import stop_strings
-from qarl_jax.errors import CheckpointError, ConfigError, Interrupted, Preempted
-from qarl_jax.heldout_eval import Evaluator, score
-from qarl_jax.models import Qwen3ForCausalLM
-from qarl_jax.progress import StepReport
-from qarl_jax.rewards import GRADER_COUNTS, Grader
-from qarl_jax.rl import dapo
-from qarl_jax.rl.advantages import group_advantages
-from qarl_jax.rl.batch import RolloutBatch, bucketed_length
-from qarl_jax.rl.train_step import Trainer, TrainState
-from qarl_jax.rollout import RolloutEngine, SamplingParams, layout, rollout
-from qarl_jax.rollout.overlap import PhaseClock, Produced, device_groups, run_phases
-from qarl_jax.runlog import MetricsLog
+from qarl_jax.run.checkpoint import Checkpointer
+from qarl_jax.run.heldout_eval import Evaluator, score
+from qarl_jax.run.progress import StepReport
+from qarl_jax.run.runlog import MetricsLog
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -270,14 +271,14 @@ class Result:
 
 def train(config: Config) -> Result:
     """Run (or resume) the configured training, on this process and any others that joined with
-    ``jax.distributed`` (:mod:`qarl_jax.distributed` describes the split; every process returns the
+    ``jax.distributed`` (:mod:`qarl_jax.run.distributed` describes the split; every process returns the
     same summary, process 0 writes the logs).
 
     Everything that can be checked without the model is checked first (mesh, model files, data
     files, the run directory, the checkpoint's config), and nothing is written to the run directory
-    before the resume decision (:mod:`qarl_jax.rundir`) but the hosts' check that they share it
-    (:mod:`qarl_jax.hosts`). A preemption notice stops every process at one step, saved
-    (:mod:`qarl_jax.preemption`)."""
+    before the resume decision (:mod:`qarl_jax.run.rundir`) but the hosts' check that they share it
+    (:mod:`qarl_jax.run.hosts`). A preemption notice stops every process at one step, saved
+    (:mod:`qarl_jax.run.preemption`)."""
     primary = distributed.is_primary()
     run_dir = storage.parse(config.run.output_dir, "run.output_dir")  # local or gs://
     rundir.check_output_dir(run_dir)

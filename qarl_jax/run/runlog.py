@@ -1,6 +1,6 @@
 """Run directories for notebooks: a run's ``config.json`` and ``metrics.jsonl`` as numpy columns.
 
-``metrics.jsonl`` (written by :mod:`qarl_jax.train`) holds one JSON object per line: the line of
+``metrics.jsonl`` (written by :mod:`qarl_jax.run.train`) holds one JSON object per line: the line of
 step 0 holds only the eval before training, every later line one training step's metrics, plus the
 held-out evals (``eval/...``, ``eval_bf16/...``) on eval steps. Keys come and go between versions
 of the trainer, so a key a row lacks reads as NaN and a key no row has as an empty series.

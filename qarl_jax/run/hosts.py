@@ -27,8 +27,8 @@ import socket
 import jax
 from etils import epath
 
-from qarl_jax import distributed
 from qarl_jax.errors import HostsError, OutputError
+from qarl_jax.run import distributed
 
 TOKEN_PREFIX = ".hosts-check-"
 

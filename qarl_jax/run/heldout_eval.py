@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from qarl_jax import distributed
 from qarl_jax.config import Config, ConfigError
 from qarl_jax.data.templates import cut_at_stop, stop_strings
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rewards import Grader
 from qarl_jax.rollout import GREEDY, RolloutEngine, SamplingParams, layout, rollout
+from qarl_jax.run import distributed
 
 
 def eval_seed(seed: int) -> int:

@@ -1,7 +1,7 @@
 """Builders of a run's parts from its config: the policy and its weights, the tokenizer, the rollout
 engine and the held-out prompts.
 
-The training loop (:mod:`qarl_jax.train`), the alignment check and the SFT script build the same
+The training loop (:mod:`qarl_jax.run.train`), the alignment check and the SFT script build the same
 parts the same way; they live here, apart from the loop, so a tool that only needs a policy does not
 import the loop's logging and checkpointing.
 """
@@ -30,7 +30,7 @@ from qarl_jax.quant import QuantSpec
 from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 
 EOS_TOKENS = ("<|endoftext|>", "<|im_end|>")
-PACKAGE_DIR = pathlib.Path(__file__).parent
+PACKAGE_DIR = pathlib.Path(__file__).parents[1]  # qarl_jax/ (the shipped assets)
 
 
 def model_dir(path: str) -> epath.Path:
@@ -107,8 +107,10 @@ def restore_policy(run_dir: epath.Path, step: int | None) -> tuple[Config, Qwen3
     """The run's config, policy and master weights of checkpoint ``step`` (None: the newest
     intact), restored (fingerprints checked) onto a mesh of every device JAX sees instead of the
     run's (a run's weights are evaluated or exported on whatever machine is at hand); and the step."""
-    from qarl_jax.checkpoint import Checkpointer  # orbax, the optimizer: only tools reading runs need them
     from qarl_jax.rl.train_step import Trainer
+    from qarl_jax.run.checkpoint import (
+        Checkpointer,  # orbax, the optimizer: only tools reading runs need them
+    )
 
     config = load_config(run_dir / "config.json")  # JSON is YAML
     here = dataclasses.replace(config, mesh=sharding.MeshConfig())

@@ -4,18 +4,29 @@ The only module that imports tensorflow_datasets; the pipeline imports it when a
 configured. TFDS's stock ``gsm8k`` builder downloads four files, one of which (``train_socratic``)
 the shared data folder lacks; :class:`Gsm8kLocal` keeps its features and example generator but
 prepares whichever splits the local folder has, with no network.
+
+On a pod the dataset is prepared once per run (:func:`prepare_once`): process 0 runs TFDS's
+``download_and_prepare`` while the others wait at a JAX barrier, then every host opens the prepared
+copy (several hosts preparing into one shared ``data_dir`` race each other). ``data_dir`` (and the
+folder of GSM8K files) may be ``gs://BUCKET/...``; on a pod's several hosts it must be a folder
+every host reads (a bucket, a shared disk): the others read what process 0 wrote.
 """
 
 from __future__ import annotations
 
-import pathlib
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
 
 from qarl_jax.data.records import AnswerFormat, Record, Rejected, make_record
+from qarl_jax.storage import parse
+
+T = TypeVar("T")
+PREPARED_BARRIER = "qarl_jax: TFDS dataset prepared"
 
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
@@ -30,7 +41,7 @@ class Gsm8kLocal(tfds_gsm8k.Gsm8k):
     def code_path(cls) -> epath.Path:
         return epath.Path(__file__)
 
-    def __init__(self, *, source_dir: str | pathlib.Path | None = None, **kwargs: Any):
+    def __init__(self, *, source_dir: str | os.PathLike[str] | None = None, **kwargs: Any):
         # Without `source_dir` (e.g. from `tfds.data_source` by name) it only reads a prepared copy.
         self._source_dir = source_dir
         super().__init__(**kwargs)
@@ -39,14 +50,14 @@ class Gsm8kLocal(tfds_gsm8k.Gsm8k):
         del dl_manager
         if self._source_dir is None:
             raise ValueError("Gsm8kLocal needs source_dir (the folder of GSM8K JSONL files) to prepare")
-        files = {s: pathlib.Path(self._source_dir) / f"{s}.jsonl" for s in GSM8K_SPLITS}
+        files = {s: parse(self._source_dir, "data.path") / f"{s}.jsonl" for s in GSM8K_SPLITS}
         found = {s: self._generate_examples(p) for s, p in files.items() if p.is_file()}
         if not found:
             raise FileNotFoundError(f"no GSM8K split files ({GSM8K_SPLITS}) in {self._source_dir}")
         return found
 
 
-def prepare_gsm8k_local(source_dir: str | pathlib.Path, data_dir: str | pathlib.Path) -> Gsm8kLocal:
+def prepare_gsm8k_local(source_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str]) -> Gsm8kLocal:
     """Build (once) the array_record GSM8K dataset under ``data_dir`` from ``source_dir``'s JSONL."""
     builder = Gsm8kLocal(source_dir=source_dir, data_dir=str(data_dir), file_format="array_record")
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
@@ -92,6 +103,21 @@ class TfdsSource:
         return make_record(row, *self._keys, origin)
 
 
+def prepare_once(prepare: Callable[[], T], read: Callable[[], T]) -> T:
+    """``prepare()`` (download and prepare, then open) on one process; with several, process 0
+    prepares while the others wait at a barrier (``sync_global_devices``, collective) and then
+    ``read()`` (open the prepared copy, downloading nothing). Should process 0 fail, it exits and
+    JAX's coordination service ends the waiting processes."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return prepare()
+    out = prepare() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices(PREPARED_BARRIER)
+    return read() if out is None else out
+
+
 def tfds_source(
     name: str,
     split: str,
@@ -101,10 +127,20 @@ def tfds_source(
     answer_format: AnswerFormat,
     gsm8k_dir: str | None = None,
 ) -> TfdsSource:
-    """``tfds.data_source(name, split)``; ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` first."""
-    if name == "gsm8k_local":
-        if gsm8k_dir is None:
-            raise ValueError("path: tfds_name='gsm8k_local' needs the folder of GSM8K files")
-        prepare_gsm8k_local(gsm8k_dir, data_dir or tfds.core.constants.DATA_DIR)
-    data = tfds.data_source(name, split=split, data_dir=data_dir)
+    """``tfds.data_source(name, split)``, prepared once per run (:func:`prepare_once`);
+    ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` first. ``data_dir``: local or ``gs://``."""
+    if data_dir is not None:
+        data_dir = os.fspath(parse(data_dir, "data.tfds_data_dir"))  # gs://, or a one-line refusal
+    if name == "gsm8k_local" and gsm8k_dir is None:
+        raise ValueError("path: tfds_name='gsm8k_local' needs the folder of GSM8K files")
+
+    def prepare() -> Any:
+        if name == "gsm8k_local":
+            prepare_gsm8k_local(gsm8k_dir, data_dir or tfds.core.constants.DATA_DIR)  # type: ignore[arg-type]
+        return tfds.data_source(name, split=split, data_dir=data_dir)
+
+    def read() -> Any:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+
+    data = prepare_once(prepare, read)
     return TfdsSource(data, name, split, prompt_key, answer_key, answer_format)

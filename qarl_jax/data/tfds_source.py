@@ -6,10 +6,12 @@ the shared data folder lacks; :class:`Gsm8kLocal` keeps its features and example
 prepares whichever splits the local folder has, with no network.
 
 On a pod the dataset is prepared once per run (:func:`prepare_once`): process 0 runs TFDS's
-``download_and_prepare`` while the others wait at a JAX barrier, then every host opens the prepared
-copy (several hosts preparing into one shared ``data_dir`` race each other). ``data_dir`` (and the
-folder of GSM8K files) may be ``gs://BUCKET/...``; on a pod's several hosts it must be a folder
-every host reads (a bucket, a shared disk): the others read what process 0 wrote.
+``download_and_prepare`` while the others wait at a JAX barrier; then each other host opens it,
+reusing the prepared copy where ``data_dir`` is a shared disk (TFDS finds it prepared and writes
+nothing: no race) or preparing its own where ``data_dir`` is the host's own disk. ``data_dir`` is
+local (array_record, TFDS's random-access format, reads and writes local files only: a ``gs://``
+one is refused by :class:`~qarl_jax.data.DataConfig`); the folder of GSM8K files of
+``gsm8k_local`` may be ``gs://``.
 """
 
 from __future__ import annotations
@@ -103,19 +105,22 @@ class TfdsSource:
         return make_record(row, *self._keys, origin)
 
 
-def prepare_once(prepare: Callable[[], T], read: Callable[[], T]) -> T:
-    """``prepare()`` (download and prepare, then open) on one process; with several, process 0
-    prepares while the others wait at a barrier (``sync_global_devices``, collective) and then
-    ``read()`` (open the prepared copy, downloading nothing). Should process 0 fail, it exits and
-    JAX's coordination service ends the waiting processes."""
+def prepare_once(prepare: Callable[[], T]) -> T:
+    """``prepare()`` (download and prepare if needed, then open) on one process; with several,
+    process 0 runs it first while the others wait at a barrier (``sync_global_devices``,
+    collective), then the others run it (a prepared copy is reused, not rewritten). Should process 0
+    fail, it exits and JAX's coordination service ends the waiting processes."""
     import jax
     from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
         return prepare()
-    out = prepare() if jax.process_index() == 0 else None
+    if jax.process_index() == 0:
+        out = prepare()
+        multihost_utils.sync_global_devices(PREPARED_BARRIER)
+        return out
     multihost_utils.sync_global_devices(PREPARED_BARRIER)
-    return read() if out is None else out
+    return prepare()
 
 
 def tfds_source(
@@ -127,10 +132,10 @@ def tfds_source(
     answer_format: AnswerFormat,
     gsm8k_dir: str | None = None,
 ) -> TfdsSource:
-    """``tfds.data_source(name, split)``, prepared once per run (:func:`prepare_once`);
-    ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` first. ``data_dir``: local or ``gs://``."""
+    """``tfds.data_source(name, split)``, process 0 preparing first (:func:`prepare_once`);
+    ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` (local or ``gs://``) first."""
     if data_dir is not None:
-        data_dir = os.fspath(parse(data_dir, "data.tfds_data_dir"))  # gs://, or a one-line refusal
+        data_dir = os.fspath(parse(data_dir, "data.tfds_data_dir"))  # another scheme: one line
     if name == "gsm8k_local" and gsm8k_dir is None:
         raise ValueError("path: tfds_name='gsm8k_local' needs the folder of GSM8K files")
 
@@ -139,8 +144,5 @@ def tfds_source(
             prepare_gsm8k_local(gsm8k_dir, data_dir or tfds.core.constants.DATA_DIR)  # type: ignore[arg-type]
         return tfds.data_source(name, split=split, data_dir=data_dir)
 
-    def read() -> Any:
-        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
-
-    data = prepare_once(prepare, read)
+    data = prepare_once(prepare)
     return TfdsSource(data, name, split, prompt_key, answer_key, answer_format)

@@ -97,7 +97,6 @@ def _run(args: argparse.Namespace) -> int:
         export_ct = cli.writable_dir(args.export_compressed_tensors, "--export-compressed-tensors")
     _compilation_cache(config.run.compilation_cache_dir)
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
-    from qarl_jax import storage
     from qarl_jax.models import save_pretrained
     from qarl_jax.run.build import build_tokenizer
     from qarl_jax.run.train import train
@@ -110,10 +109,9 @@ def _run(args: argparse.Namespace) -> int:
         from qarl_jax.models.compressed_tensors import save_compressed
         from qarl_jax.rollout.layout import freeze
 
-        frozen = distributed.gather(freeze(result.state.params, config.quant, result.model))
-        if distributed.is_primary():
-            with storage.staged(export_ct) as out:
-                save_compressed(out, result.model.config, frozen, config.quant, build_tokenizer(config))
+        # every process (collective): one frozen tensor gathered at a time, process 0 writes
+        frozen = freeze(result.state.params, config.quant, result.model)
+        save_compressed(export_ct, result.model.config, frozen, config.quant, build_tokenizer(config))
     print(json.dumps(result.summary, indent=2))
     return 0
 

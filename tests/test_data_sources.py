@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from qarl_jax.data import (
@@ -88,6 +89,7 @@ def product_of(term: str) -> int:
         ({"source": "jsonl"}, "path"),
         ({"source": "tfds"}, "tfds_name"),
         ({"source": "tfds", "tfds_name": "gsm8k_local"}, "path"),
+        ({"source": "tfds", "tfds_name": "gsm8k", "tfds_data_dir": "gs://b/tfds"}, "tfds_data_dir"),
         ({"answer_format": "latex"}, "answer_format"),
         ({"prompt_key": ""}, "prompt_key"),
         ({"synthetic": SyntheticConfig(digits=2)}, None),
@@ -201,3 +203,39 @@ def test_templates():
     assert "\\boxed{}" in BOXED_INSTRUCTION
     with pytest.raises(ValueError, match="template"):
         apply_template("chatml", "2+2")
+
+
+def test_jsonl_in_a_bucket_is_read_by_the_pipeline_as_from_disk(gsm8k_dir, gcs_bucket):
+    """``data.path`` on ``gs://`` (every host of a pod reads one copy): the pipeline's batches equal
+    those of the same file on disk (ids aside: they name the file); a missing bucket file, and a
+    URL that lost a slash, are one line naming them."""
+    from qarl_jax.data import build_pipeline
+    from qarl_jax.errors import ConfigError, DataError
+    from qarl_jax.storage import epath
+
+    disk = gsm8k_dir / "test.jsonl"
+    remote = f"{gcs_bucket}/data/test.jsonl"
+    epath.Path(remote).write_bytes(disk.read_bytes())
+    tok = build_arithmetic_tokenizer()
+
+    def batches(path) -> list[dict]:
+        cfg = DataConfig(source="jsonl", path=str(path), batch_size=64, max_prompt_tokens=4096, seed=3)
+        it = build_pipeline(cfg, tok)
+        return [next(it) for _ in range(3)]
+
+    def plain(v):  # a batch (dict of lists / arrays of arrays) as comparable Python values
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)) or (isinstance(v, np.ndarray) and v.dtype == object):
+            return [plain(x) for x in v]
+        return np.asarray(v).tolist()
+
+    local, bucket = batches(disk), batches(remote)
+    for a, b in zip(local, bucket, strict=True):
+        assert [i.replace(str(disk), remote) for i in a.pop("id")] == list(b.pop("id"))
+        assert plain(a) == plain(b)
+    assert len(JsonlSource(remote)) == 1319
+    with pytest.raises(DataError, match=rf"^data file {gcs_bucket}/data/missing.jsonl does not exist$"):
+        JsonlSource(f"{gcs_bucket}/data/missing.jsonl")
+    with pytest.raises(ConfigError, match=r"^data file gs:/qarl-tests/x.jsonl: gs:/ is not a storage"):
+        JsonlSource("gs:/qarl-tests/x.jsonl")

@@ -85,3 +85,44 @@ def test_tfds_source_rejects_broken_rows():
     assert src[0] == {"prompt": "ok?", "answer": "3", "id": "fake/train:0"}
     assert [src[i].reason for i in range(1, 4)] == ["bad_utf8", "missing_field", "bad_answer"]
     assert all(isinstance(src[i], Rejected) for i in range(1, 4))
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_process_0_prepares_first_the_others_after_the_barrier(
+    tfds_dir, gsm8k_dir, tmp_path, monkeypatch, process
+):
+    """Two processes, seen from each (a real two-process run costs minutes here): JAX's process
+    index and count and its barrier are stood in for; TFDS is real. Process 0 runs TFDS's
+    ``download_and_prepare`` before the barrier; process 1 only after it, and then on a shared
+    ``data_dir`` reuses process 0's copy (no file rewritten), on its own disk prepares its own."""
+    import jax
+    import tensorflow_datasets as tfds
+    from jax.experimental import multihost_utils
+
+    from qarl_jax.data.tfds_source import PREPARED_BARRIER, tfds_source
+
+    events: list[str] = []
+    real_prepare = tfds.core.DatasetBuilder.download_and_prepare
+
+    def prepare(builder, *args, **kwargs):
+        events.append("download_and_prepare")
+        return real_prepare(builder, *args, **kwargs)
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", prepare)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: events.append(name))
+    files = lambda d: {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}  # noqa: E731
+    shared = files(tfds_dir)
+    source = tfds_source("gsm8k_local", "test", str(tfds_dir), "question", "answer", "gsm8k", str(gsm8k_dir))
+    assert events.index(PREPARED_BARRIER) == (len(events) - 1 if process == 0 else 0)
+    assert "download_and_prepare" in events and files(tfds_dir) == shared
+    questions = {json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").open()}
+    assert len(source) == 1319 and {source[i]["prompt"] for i in range(1319)} == questions
+    if process == 1:  # a host's own data_dir: nothing there yet, so it prepares its own copy
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "test.jsonl").write_bytes((gsm8k_dir / "test.jsonl").read_bytes())
+        own = tfds_source(
+            "gsm8k_local", "test", str(tmp_path / "own"), "question", "answer", "gsm8k", str(tmp_path / "src")
+        )
+        assert len(own) == 1319 and files(tmp_path / "own")

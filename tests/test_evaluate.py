@@ -310,6 +310,28 @@ def test_layouts(tmp_path):
         parse_spec(f"{path}:math:choices=x")
 
 
+def test_a_benchmark_file_in_a_bucket_reads_as_from_disk(tmp_path, gcs_bucket):
+    """``--bench gs://BUCKET/FILE:PRESET:FIELD=KEY``: the scheme's colon is not a separator; the items,
+    rejections and name are the disk copy's (origins name the file); a missing one, or another
+    scheme, is one line."""
+    from qarl_jax.storage import epath
+
+    text = '{"q": "x", "sol": "#### 7"}\n{"problem": "p"}\n{"q": "y", "sol": "#### -2"}\n'
+    (tmp_path / "b.jsonl").write_text(text)
+    epath.Path(f"{gcs_bucket}/bench/b.jsonl").write_text(text)
+    disk = read_benchmark(f"{tmp_path}/b.jsonl:gsm8k:question=q,answer=sol")
+    remote = read_benchmark(f"{gcs_bucket}/bench/b.jsonl:gsm8k:question=q,answer=sol")
+    assert str(remote.path) == f"{gcs_bucket}/bench/b.jsonl" and remote.name == disk.name == "b"
+    assert [(i.question, i.answer) for i in remote.items] == [("x", "7"), ("y", "-2")]
+    assert [(i.question, i.answer) for i in remote.items] == [(i.question, i.answer) for i in disk.items]
+    assert remote.items[1].id == f"{gcs_bucket}/bench/b.jsonl:3" and remote.skipped == disk.skipped
+    assert parse_spec(f"{gcs_bucket}/bench/b.jsonl")[1] == "math"  # no preset: the default
+    with pytest.raises(DataError, match=f"^benchmark file {gcs_bucket}/bench/none.jsonl does not exist$"):
+        read_benchmark(f"{gcs_bucket}/bench/none.jsonl:aime")
+    with pytest.raises(ConfigError, match="^--bench s3://b/f.jsonl: s3:// is not a storage"):
+        parse_spec("s3://b/f.jsonl:aime")
+
+
 def test_weights_variants():
     config = load_config(SMOKE)
     assert list(variants(config, "both")) == ["w4a16 (deployed)", "bf16"]

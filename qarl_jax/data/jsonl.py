@@ -3,7 +3,8 @@
 The file is read and validated once, at construction: under ``bad_rows="error"`` a bad row stops
 the run before the first step (naming file and line), under ``"skip"`` it is counted in
 :attr:`JsonlSource.skipped` and never seen again. Rows are read as bytes so bad UTF-8 is a counted
-row, not a crash. Blank lines are not rows.
+row, not a crash. Blank lines are not rows. The file is local or in a bucket (``gs://BUCKET/...``, through
+:func:`qarl_jax.storage.parse`): a pod's hosts read one copy, none needs it on its disk.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import pathlib
+import os
 
 from qarl_jax.data.records import AnswerFormat, Record, Rejected, make_record
 from qarl_jax.data.synthetic import split_of
 from qarl_jax.errors import DataError
+from qarl_jax.storage import parse
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class JsonlSource:
 
     def __init__(
         self,
-        path: str | pathlib.Path,
+        path: str | os.PathLike[str],
         prompt_key: str = "question",
         answer_key: str = "answer",
         answer_format: AnswerFormat = "gsm8k",
@@ -51,7 +53,7 @@ class JsonlSource:
         min_valid_fraction: float = 0.0,
         hash_split: str | None = None,
     ):
-        self.path = pathlib.Path(path)
+        self.path = parse(path, "data file")  # local or gs://
         if not self.path.is_file():
             what = "is a directory, not a JSONL file" if self.path.is_dir() else "does not exist"
             raise DataError(f"data file {self.path} {what}")

@@ -3,9 +3,9 @@
 A benchmark is named on the command line as ``FILE[:PRESET[:FIELD=KEY,...]]``. The preset says
 which fields hold the question, the answer and (multiple choice) the options, how the answer is
 written, and which grader of :mod:`qarl_jax.rewards` scores a response; ``FIELD=KEY`` renames a
-field (``question=prompt,answer=solution``). A preset lists several names for a field where the
-published copies of one benchmark differ (AIME 2024 has ``problem``, some AIME 2025 copies
-``question``): the first one a row has is used.
+field (``question=prompt,answer=solution``). FILE is local or ``gs://BUCKET/...``. A preset lists
+several names for a field where the published copies of one benchmark differ (AIME 2024 has
+``problem``, some AIME 2025 copies ``question``): the first one a row has is used.
 
 Multiple-choice items are rendered as the question followed by one ``A. option`` line per option;
 the reference becomes the option's letter, whether the file gives a letter (MMLU-Pro's
@@ -23,15 +23,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import pathlib
+import re
 from typing import Any
 
 import numpy as np
 
+from qarl_jax import storage
 from qarl_jax.data.jsonl import parse_line
 from qarl_jax.data.records import AnswerFormat, Rejected, clean_answer
 from qarl_jax.errors import ConfigError, DataError
 from qarl_jax.rewards.choice import LETTERS
+from qarl_jax.storage import epath
 
 FIELDS = ("question", "answer", "choices")
 
@@ -92,7 +94,7 @@ class Benchmark:
     """A benchmark file's items, its grader kind, and the rows that did not become items."""
 
     name: str
-    path: pathlib.Path
+    path: epath.Path
     preset: str
     kind: str
     items: list[Item]
@@ -114,9 +116,16 @@ class Benchmark:
         )
 
 
-def parse_spec(spec: str) -> tuple[pathlib.Path, str, Layout]:
-    """``FILE[:PRESET[:FIELD=KEY,...]]`` -> (file, preset name, layout); a bad part is one line."""
-    path, _, rest = spec.partition(":")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")  # a URL's scheme: gs:// (others refused by name)
+
+
+def parse_spec(spec: str) -> tuple[epath.Path, str, Layout]:
+    """``FILE[:PRESET[:FIELD=KEY,...]]`` -> (file, preset name, layout); a bad part is one line.
+    FILE is local or ``gs://BUCKET/...`` (:func:`qarl_jax.storage.parse`; a URL's scheme is not a
+    FILE:PRESET separator)."""
+    scheme = _URL.match(spec)
+    head = scheme.group(0) if scheme else ""
+    path, _, rest = spec[len(head) :].partition(":")
     name, _, renames = rest.partition(":")
     name = name or "math"
     if name not in PRESETS:
@@ -134,7 +143,7 @@ def parse_spec(spec: str) -> tuple[pathlib.Path, str, Layout]:
         layout = dataclasses.replace(layout, **renamed)
     if not path:
         raise ConfigError(f"--bench {spec}: no file named")
-    return pathlib.Path(path), name, layout
+    return storage.parse(head + path, "--bench"), name, layout
 
 
 def _first(row: dict, names: tuple[str, ...]) -> str | None:

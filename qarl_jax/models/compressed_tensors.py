@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from collections.abc import Callable, Iterator
 
@@ -50,7 +49,9 @@ from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.hf_config import config_to_hf
 from qarl_jax.models.safetensors_io import (
+    PathLike,
     as_path,
+    host_array,
     param_location,
     save_tokenizer,
     tensor_layout,
@@ -128,14 +129,14 @@ def _module(name: str) -> str:
     return name.removesuffix(".weight")
 
 
-def _leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...]):
+def _host_leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...]):
+    """The leaf (a :class:`QuantizedWeight` or an array) at ``path``, one layer of a stacked leaf,
+    gathered whole onto this host (collective: every process calls it, in the same order)."""
     path, index = param_location(config, path)
     node = tree
     for key in path:
         node = node[key]
-    if index is not None:
-        node = jax.tree.map(lambda a: a[index], node)
-    return node
+    return jax.tree.map(lambda a: host_array(a if index is None else a[index]), node)
 
 
 def _host(x) -> np.ndarray:
@@ -183,11 +184,18 @@ def _group_key(w: QuantizedWeight) -> tuple[str, int | None]:
     return ("channel", None) if WEIGHT_BITS[w.fmt] == 8 else ("group", w.group_size)
 
 
-def _tensors(config: TransformerConfig, frozen: dict, scheme: Scheme, groups: dict, ignore: list[str]):
-    """Every tensor of the export, in :func:`tensor_layout` order; fills ``groups`` (strategy key ->
-    module names) and ``ignore`` (the linear modules left unquantized) on the way."""
+def _host_leaves(config: TransformerConfig, frozen: dict):
+    """(param path, HF name(s), host leaf) in :func:`tensor_layout` order, one leaf (one layer of a
+    stacked leaf) gathered at a time (collective)."""
     for path, names, _ in tensor_layout(config):
-        leaf = _leaf(frozen, config, path)
+        yield path, names, _host_leaf(frozen, config, path)
+
+
+def _tensors(config: TransformerConfig, leaves, scheme: Scheme, groups: dict, ignore: list[str]):
+    """Every tensor of the export, in :func:`tensor_layout` order, from :func:`_host_leaves`; fills
+    ``groups`` (strategy key -> module names) and ``ignore`` (the linear modules left unquantized)
+    on the way."""
+    for path, names, leaf in leaves:
         is_kernel = path[-1] == "kernel"
         listed = names if isinstance(names, list) else [names]
         for j, name in enumerate(listed):
@@ -238,7 +246,7 @@ def quantization_config(spec: QuantSpec, groups: dict, ignore: list[str]) -> dic
 
 
 def save_compressed(
-    ckpt: str | os.PathLike,
+    ckpt: PathLike,
     config: TransformerConfig,
     frozen: dict,
     spec: QuantSpec,
@@ -246,14 +254,29 @@ def save_compressed(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Write the rollout's frozen weights ``frozen`` (:func:`qarl_jax.rollout.layout.freeze` of the
-    master weights under ``spec``; host-addressable) as a compressed-tensors checkpoint: sharded
-    safetensors, config.json with its ``quantization_config``, tokenizer.json if given."""
+    master weights under ``spec``) as a compressed-tensors checkpoint in ``ckpt`` (local or
+    ``gs://``): sharded safetensors, config.json with its ``quantization_config``, tokenizer.json
+    if given.
+
+    With several processes every process calls it (collective) with the global arrays: each leaf,
+    and each layer of a stacked leaf, is gathered whole onto every host one at a time
+    (:func:`host_array`), and process 0 alone converts and writes. **Host peak** beyond the run's
+    own: one layer's frozen leaf (all experts of an MoE projection; int8 / fp8 values, packed int4,
+    f32 scales) and its converted tensors, plus, on process 0, one safetensors file's worth
+    (``max_shard_bytes``, or one larger tensor; a ``gs://`` file twice: its serialised bytes too):
+    :func:`write_safetensors` streams. Never the whole model on a host."""
     scheme = check_exportable(spec)
+    is_quantized = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    if not any(is_quantized(x) for x in jax.tree.leaves(frozen, is_leaf=is_quantized)):
+        raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
+    leaves = _host_leaves(config, frozen)
+    if jax.process_index() != 0:
+        for _ in leaves:  # the gathers are collective: take part, write nothing
+            pass
+        return
     groups: dict[tuple[str, int | None], list[str]] = {}
     ignore: list[str] = []
-    write_safetensors(ckpt, _tensors(config, frozen, scheme, groups, ignore), max_shard_bytes)
-    if not groups:
-        raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
+    write_safetensors(ckpt, _tensors(config, leaves, scheme, groups, ignore), max_shard_bytes)
     hf = config_to_hf(config)
     hf.pop("quantization_config", None)  # one carried from a compressed starting checkpoint goes last
     hf["quantization_config"] = quantization_config(spec, groups, ignore)

@@ -46,6 +46,7 @@ from qarl_jax.models.safetensors_io import (
     PathLike,
     SafetensorsReader,
     as_path,
+    host_array,
     is_kernel,
     param_location,
     save_tokenizer,
@@ -303,14 +304,6 @@ def from_pretrained(
     return model, load_params(ckpt, config, shardings), load_tokenizer(ckpt)
 
 
-def _host_array(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
-
-
 def save_pretrained(
     ckpt: PathLike,
     config: TransformerConfig,
@@ -323,7 +316,8 @@ def save_pretrained(
 
     With several processes every process calls it (collective) with the global arrays: each leaf,
     and each layer of a stacked leaf, is gathered one at a time, and process 0 alone writes, so a
-    host holds at most one safetensors file's worth (``max_shard_bytes``) plus one layer's leaf."""
+    host holds at most one safetensors file's worth (``max_shard_bytes``; a remote file twice, its
+    serialised bytes too) plus one layer's leaf (:func:`write_safetensors` streams)."""
     ckpt = as_path(ckpt)
     primary = jax.process_index() == 0
 
@@ -333,7 +327,7 @@ def save_pretrained(
             node = params
             for key in path:
                 node = node[key]
-            arr = _host_array(node if index is None else node[index])  # one layer of a stack
+            arr = host_array(node if index is None else node[index])  # one layer of a stack
             if isinstance(names, list):
                 for j, name in enumerate(names):
                     yield name, arr[j].T

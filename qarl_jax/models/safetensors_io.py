@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
 
+import jax
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save, save_file
@@ -27,7 +28,7 @@ from safetensors.numpy import save, save_file
 from qarl_jax.errors import CheckpointError
 from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.stacking import layer_location
-from qarl_jax.storage import epath
+from qarl_jax.storage import epath, move
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -199,22 +200,31 @@ def weight_files(ckpt: PathLike) -> dict[str, epath.Path]:
     return files
 
 
+def host_array(x) -> np.ndarray:
+    """``x`` (one tensor: a leaf, one layer of a stacked leaf) whole on this host as NumPy. A global
+    array no process holds whole is all-gathered: collective, every process calls it in the same
+    order. The exports (:func:`qarl_jax.models.hf_io.save_pretrained`,
+    :func:`qarl_jax.models.compressed_tensors.save_compressed`) gather one tensor at a time with it,
+    so no host ever holds the whole model."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
 def write_safetensors(
     ckpt: PathLike, tensors: Iterable[tuple[str, np.ndarray]], max_shard_bytes: int = 2 * 1024**3
 ) -> None:
     """Write named host arrays as ``ckpt``'s safetensors: one file, or shards of at most
-    ``max_shard_bytes`` with an index; replaces the directory's old weight files."""
+    ``max_shard_bytes`` with an index; replaces the directory's old weight files.
+
+    Streams: each shard is written as soon as the next tensor would overflow it (under a temporary
+    name, renamed once the shard count is known), so the writer holds at most one shard's arrays
+    (``max_shard_bytes``, or one larger tensor) plus, for a remote file, its serialised bytes."""
     root = as_path(ckpt)
     root.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in tensors:
-        if size and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = np.ascontiguousarray(arr)
-        size += arr.nbytes
-    for old in list(root.glob("*.safetensors")) + [root / INDEX_FILE]:
+    for old in list(root.glob("*.safetensors")) + list(root.glob("*.safetensors.part")) + [root / INDEX_FILE]:
         if old.exists():
             old.unlink()
 
@@ -224,17 +234,33 @@ def write_safetensors(
         else:
             f.write_bytes(save(shard, metadata={"format": "pt"}))
 
-    if len(shards) == 1:
-        write(shards[0], root / SINGLE_FILE)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write(shard, root / fname)
-            weight_map.update({name: fname for name in shard})
-            total += sum(a.nbytes for a in shard.values())
-        listing = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (root / INDEX_FILE).write_text(json.dumps(listing, indent=2))
+    written: list[tuple[epath.Path, list[str], int]] = []  # (temporary file, names, bytes) a shard
+    shard: dict[str, np.ndarray] = {}
+    size = 0
+
+    def flush() -> None:
+        part = root / f"shard-{len(written) + 1:05d}.safetensors.part"
+        write(shard, part)
+        written.append((part, list(shard), size))
+
+    for name, arr in tensors:
+        if size and size + arr.nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = np.ascontiguousarray(arr)
+        size += arr.nbytes
+    flush()
+    shard = {}
+    if len(written) == 1:
+        move(written[0][0], root / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, (part, names, _) in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        move(part, root / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    listing = {"metadata": {"total_size": sum(n for *_, n in written)}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(listing, indent=2))
 
 
 def tensor_layout(

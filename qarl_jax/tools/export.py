@@ -9,6 +9,10 @@ directory. Either is what python -m qarl_jax.main writes at the end of a run wit
 
 A run whose quant.fmt has no compressed-tensors scheme (bf16) is refused before anything loads,
 naming the formats that have one; so is an output directory that cannot be written.
+
+On several hosts (the multi-host flags, as python -m qarl_jax.main) every process runs it: each
+tensor, one layer of a stacked leaf at a time, is gathered and process 0 writes it (local or gs://),
+so no host holds the whole model (the bound: save_pretrained, save_compressed).
 """
 
 from __future__ import annotations
@@ -43,16 +47,16 @@ def export_checkpoint(checkpoint: str | pathlib.Path, out: str | pathlib.Path, h
     target = cli.writable_dir(out, "--out")  # local or gs://
     config, model, params, step = restore_policy(run_dir, step)
     tokenizer = build_tokenizer(config)
-    with storage.staged(target) as local:
-        if hf:
-            from qarl_jax.models import save_pretrained
+    # every process (collective): one tensor (one layer of a stack) gathered at a time, process 0 writes
+    if hf:
+        from qarl_jax.models import save_pretrained
 
-            save_pretrained(local, model.config, params, tokenizer)
-        else:
-            from qarl_jax.models.compressed_tensors import save_compressed
-            from qarl_jax.rollout.layout import freeze
+        save_pretrained(target, model.config, params, tokenizer)
+    else:
+        from qarl_jax.models.compressed_tensors import save_compressed
+        from qarl_jax.rollout.layout import freeze
 
-            save_compressed(local, model.config, freeze(params, config.quant, model), config.quant, tokenizer)
+        save_compressed(target, model.config, freeze(params, config.quant, model), config.quant, tokenizer)
     return step
 
 
@@ -63,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a run directory or RUN/checkpoints/N (local or gs://)")
     parser.add_argument("--out", required=True, help="the directory to write (local or gs://)")
     parser.add_argument("--hf", action="store_true", help="the float master weights (as --export-hf)")
+    cli.add_multihost(parser)
     args = parser.parse_args(argv)
     return cli.run(lambda: _export(args))
 
 
 def _export(args: argparse.Namespace) -> int:
+    from qarl_jax.run import distributed
+
+    distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
     step = export_checkpoint(args.checkpoint, args.out, args.hf)
     kind = "Hugging Face (master weights)" if args.hf else "compressed-tensors (deployed weights)"
     print(f"wrote step {step} to {args.out} as {kind}")

@@ -15,6 +15,7 @@ import sys
 import threading
 
 import pytest
+from etils import epath
 
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
@@ -77,8 +78,8 @@ def finish(procs: list[subprocess.Popen], logs: pathlib.Path, tag: str) -> list[
     return results
 
 
-def rows(run: pathlib.Path) -> list[dict]:
-    """metrics.jsonl without what depends on the machine's speed."""
+def rows(run: pathlib.Path | epath.Path) -> list[dict]:
+    """metrics.jsonl (local or in the bucket) without what depends on the machine's speed."""
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in m.items() if not k.startswith(("time/", "grader/"))} for m in lines]
 
@@ -105,13 +106,20 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # three two-process runs, each compiling on a shared 2-core machine
-def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path):
+def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path, gcs_bucket):
+    """The pod case whole: two hosts that share no disk (two empty working directories), the run
+    directory in a bucket (a real GCS API server); SIGTERM to the non-primary host once step 3 is
+    logged; both stop at one step, saved in the bucket; the same command resumes exactly (metrics
+    step by step equal to an uninterrupted run's); nothing is written to either host's disk."""
     uninterrupted = tmp_path / "uninterrupted"
     results = finish(start(str(uninterrupted), [REPO, REPO], tmp_path, "whole"), tmp_path, "whole")
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
 
-    run = tmp_path / "run"
-    procs = start(str(run), [REPO, REPO], tmp_path, "cut")
+    run = epath.Path(f"{gcs_bucket}/pod-{tmp_path.name}")
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    procs = start(str(run), hosts, tmp_path, "cut")
     for line in procs[0].stderr:  # process 0's progress: SIGTERM to the other host after step 3
         if line.startswith(b"qarl: step 3/6"):
             procs[1].send_signal(signal.SIGTERM)
@@ -132,10 +140,11 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactl
     )
     assert [m["step"] for m in rows(run)] == list(range(step + 1))
 
-    results = finish(start(str(run), [REPO, REPO], tmp_path, "again"), tmp_path, "again")
+    results = finish(start(str(run), hosts, tmp_path, "again"), tmp_path, "again")
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     assert f"resuming from {run / 'checkpoints' / str(step)}" in results[0][1]
     assert rows(run) == rows(uninterrupted)
+    assert [list(host.iterdir()) for host in hosts] == [[], []]  # no local "gs:" folder, nothing
 
 
 def test_one_process_notes_sigterm_and_restores_the_handler():

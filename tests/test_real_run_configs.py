@@ -139,6 +139,7 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     assert 0 < step < expert_bytes / 10, (step, expert_bytes)  # rows move (all-to-all), weights do not
     run = {p.name: p.peak for p in programs} | {"weight_sync": 0}
     cp = dict(
+        floors=None,  # no TPU topology: no floors
         programs=programs,
         run=run,
         kv_cache=0,

@@ -85,6 +85,17 @@ CLAIMS: dict[str, list[str] | str] = {
         "tests/test_multihost.py::test_two_processes_train_one_policy",
         "tests/test_multihost.py::test_two_processes_with_rollouts_on_devices_of_their_own",
     ],
+    "A pod run: run directory in a bucket, hosts that share no disk, preemption": [
+        "tests/test_pod_hosts.py::test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly",
+        "tests/test_pod_hosts.py::test_hosts_without_a_shared_run_directory_are_refused",
+        "tests/test_storage_gcs.py::test_a_run_in_a_bucket_writes_checkpoints_metrics_and_events_there",
+        "tests/test_storage_gcs.py::test_the_bucket_lock_refuses_a_second_holder_and_takes_over_from_a_gone_one",
+    ],
+    "Each host loads only its shards": [
+        "tests/test_models_hf_io.py::test_sharded_load_reads_no_more_than_a_shard_at_once",
+        "tests/test_models_gcs.py::test_gs_checkpoint_loads_sharded_bit_for_bit",
+        "tests/test_real_run_configs.py::test_real_run_config_shards_and_fits",
+    ],
     "One-step-off rollouts keep the behaviour log-probs exact": [
         "tests/test_async_rollouts.py::test_overlapped_run_equals_its_sequential_reference",
         "tests/test_async_rollouts.py::test_sigkill_mid_run_then_rerun_resumes_exactly",

@@ -12,6 +12,16 @@ The checkpoint is a random transformers ``Qwen3ForCausalLM`` (torch, f32; made o
 235M parameters, 0.94 GB f32.
 
     python benchmarks/host_ram.py [--dir /tmp/qarl_host_ram_ckpt] [--scan-layers] [--json OUT]
+                                  [--export [--out /tmp/qarl_host_ram_export]]
+
+``--export``: after loading, each process resets its peak again and runs the two exports in turn,
+each measured on its own: ``save_pretrained`` of the params, then ``save_compressed`` of their
+w4a16 freeze (``freeze`` as ``qarl_jax.main`` calls it, outside the measurement: it holds the frozen
+model on the devices, not the export). Both are collective (every process gathers one tensor at a
+time, process 0 writes), with ``max_shard_bytes`` = 256 MiB (``--max-shard-mib``): the stated
+bound is one layer's leaf plus, on process 0, one safetensors file's worth. Then the Hugging Face
+export is loaded with ``transformers.AutoModelForCausalLM.from_pretrained`` and a few of its
+tensors are compared with the params (gathered after the measurements).
 
 The package measured is the one ``PYTHONPATH`` puts first (run it with another checkout's root on
 ``PYTHONPATH`` to measure that one's loader).
@@ -23,6 +33,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -59,7 +70,49 @@ def status(field: str) -> int:
     raise KeyError(field)
 
 
-def child(ckpt: str, coordinator: str, process_id: int, scan_layers: bool) -> None:
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
+
+
+def peak(fn):
+    """``fn()`` and the peak RSS it added (bytes): the peak is reset first (``clear_refs``)."""
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    base = status("VmRSS")
+    out = fn()
+    return out, status("VmHWM") - base
+
+
+def export(out: pathlib.Path, config, model, params, max_shard_bytes: int) -> dict:
+    """The two exports' added peaks (module docstring), then the :data:`CHECKED` tensors gathered
+    (collective) and saved by process 0 for the parent to compare with the transformers load."""
+    import jax
+    import numpy as np
+
+    from qarl_jax.models import save_pretrained
+    from qarl_jax.models.compressed_tensors import save_compressed
+    from qarl_jax.models.safetensors_io import host_array, is_kernel, param_location, tensor_layout
+    from qarl_jax.quant.spec import QuantSpec
+    from qarl_jax.rollout.layout import freeze
+
+    _, hf = peak(lambda: save_pretrained(out / "hf", config, params, None, max_shard_bytes=max_shard_bytes))
+    spec = QuantSpec(fmt="w4a16")
+    frozen = jax.block_until_ready(freeze(params, spec, model))
+    frozen_held = sum(s.data.nbytes for x in jax.tree.leaves(frozen) for s in x.addressable_shards)
+    _, ct = peak(lambda: save_compressed(out / "ct", config, frozen, spec, max_shard_bytes=max_shard_bytes))
+    checked = {}
+    for path, name, _ in tensor_layout(config):
+        if name in CHECKED:
+            key, index = param_location(config, path)
+            node = params
+            for k in key:
+                node = node[k]
+            arr = host_array(node if index is None else node[index])
+            checked[name] = arr.T if is_kernel(path) else arr
+    if jax.process_index() == 0:
+        np.savez(out / "checked.npz", **checked)
+    return dict(export_hf=hf, export_compressed=ct, frozen_held=frozen_held)
+
+
+def child(ckpt: str, coordinator: str, process_id: int, scan_layers: bool, out: str | None, shard: int):
     import jax
 
     jax.distributed.initialize(coordinator, 2, process_id)
@@ -73,13 +126,31 @@ def child(ckpt: str, coordinator: str, process_id: int, scan_layers: bool) -> No
     shardings = sharding.param_shardings(model, mesh)
     abstract = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     f32_bytes = sum(4 * x.size for x in jax.tree.leaves(abstract))
-    pathlib.Path("/proc/self/clear_refs").write_text("5")
-    base = status("VmRSS")
-    _, params, _ = from_pretrained(ckpt, shardings=shardings, scan_layers=scan_layers)
-    jax.block_until_ready(params)
-    added = status("VmHWM") - base
+
+    def load():
+        model, params, _ = from_pretrained(ckpt, shardings=shardings, scan_layers=scan_layers)
+        return model, jax.block_until_ready(params)
+
+    (model, params), added = peak(load)
     held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
-    print(json.dumps(dict(process=process_id, added=added, f32_bytes=f32_bytes, held=held)), flush=True)
+    result = dict(process=process_id, added=added, f32_bytes=f32_bytes, held=held)
+    if out is not None:
+        result |= export(pathlib.Path(out), model.config, model, params, shard)
+    print(json.dumps(result), flush=True)
+
+
+def check_hf_export(out: pathlib.Path) -> dict:
+    """Load the Hugging Face export with transformers; the :data:`CHECKED` tensors must equal the
+    params (bitwise: f32 written, f32 read)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(out / "hf", dtype="float32").state_dict()
+    checked = np.load(out / "checked.npz")
+    equal = {name: bool(np.array_equal(state[name].numpy(), checked[name])) for name in CHECKED}
+    if not all(equal.values()):
+        sys.exit(f"the transformers load of {out / 'hf'} differs from the params: {equal}")
+    return equal
 
 
 def free_port() -> int:
@@ -94,11 +165,18 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=8, help="CPU devices over both processes")
     ap.add_argument("--scan-layers", action="store_true", help="load the stacked (scanned) layout")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--export", action="store_true", help="then measure the two exports (docstring)")
+    ap.add_argument("--out", default="/tmp/qarl_host_ram_export", help="where --export writes")
+    ap.add_argument("--max-shard-mib", type=int, default=256, help="the exports' max_shard_bytes")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    shard = args.max_shard_mib * 1024**2
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]), args.scan_layers)
+        out = args.out if args.export else None
+        child(args.child[0], args.child[1], int(args.child[2]), args.scan_layers, out, shard)
         return
+    if args.export:
+        shutil.rmtree(args.out, ignore_errors=True)
     ckpt = pathlib.Path(args.dir)
     make_checkpoint(ckpt)
     coordinator = f"localhost:{free_port()}"
@@ -108,9 +186,12 @@ def main() -> None:
         XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices // 2}",
     )
     argv = [sys.executable, __file__, "--child", str(ckpt), coordinator]
-    scan = ["--scan-layers"] if args.scan_layers else []
+    flags = ["--scan-layers"] if args.scan_layers else []
+    if args.export:
+        flags += ["--export", "--out", args.out, "--max-shard-mib", str(args.max_shard_mib)]
     procs = [
-        subprocess.Popen([*argv, str(i), *scan], env=env, stdout=subprocess.PIPE, text=True) for i in range(2)
+        subprocess.Popen([*argv, str(i), *flags], env=env, stdout=subprocess.PIPE, text=True)
+        for i in range(2)
     ]
     results = []
     for p in procs:
@@ -121,9 +202,15 @@ def main() -> None:
     for r in results:
         r["added_over_f32"] = round(r["added"] / r["f32_bytes"], 3)
         r["held_over_f32"] = round(r["held"] / r["f32_bytes"], 3)
-    print(json.dumps(dict(checkpoint=str(ckpt), scan_layers=args.scan_layers, hosts=results), indent=2))
+        for key in ("export_hf", "export_compressed"):
+            if key in r:
+                r[key + "_over_f32"] = round(r[key] / r["f32_bytes"], 3)
+    report: dict = dict(checkpoint=str(ckpt), scan_layers=args.scan_layers, hosts=results)
+    if args.export:
+        report |= dict(max_shard_bytes=shard, hf_export_equal=check_hf_export(pathlib.Path(args.out)))
+    print(json.dumps(report, indent=2))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+        pathlib.Path(args.json).write_text(json.dumps(report if args.export else results, indent=2))
 
 
 if __name__ == "__main__":

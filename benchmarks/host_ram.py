@@ -19,9 +19,12 @@ each measured on its own: ``save_pretrained`` of the params, then ``save_compres
 w4a16 freeze (``freeze`` as ``qarl_jax.main`` calls it, outside the measurement: it holds the frozen
 model on the devices, not the export). Both are collective (every process gathers one tensor at a
 time, process 0 writes), with ``max_shard_bytes`` = 256 MiB (``--max-shard-mib``): the stated
-bound is one layer's leaf plus, on process 0, one safetensors file's worth. Then the Hugging Face
-export is loaded with ``transformers.AutoModelForCausalLM.from_pretrained`` and a few of its
-tensors are compared with the params (gathered after the measurements).
+bound is one layer's leaf plus, on process 0, one safetensors file's worth. Then both exports
+are loaded with ``transformers.AutoModelForCausalLM.from_pretrained`` and a few of their tensors
+compared with the params / the frozen weights dequantized (gathered after the measurements).
+The peak of gathering the largest tensor (the embedding) alone is reported too: on CPU devices the
+gather (``process_allgather``: replicated on every local device) is host RAM, on an accelerator it
+is device memory, so it is the CPU stand-in's floor, not the export's.
 
 The package measured is the one ``PYTHONPATH`` puts first (run it with another checkout's root on
 ``PYTHONPATH`` to measure that one's loader).
@@ -71,6 +74,7 @@ def status(field: str) -> int:
 
 
 CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
+CHECKED_QUANTIZED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.15.mlp.down_proj.weight")
 
 
 def peak(fn):
@@ -87,29 +91,36 @@ def export(out: pathlib.Path, config, model, params, max_shard_bytes: int) -> di
     import jax
     import numpy as np
 
+    from kernels_pallas.formats import QuantizedWeight, dequantize
     from qarl_jax.models import save_pretrained
     from qarl_jax.models.compressed_tensors import save_compressed
     from qarl_jax.models.safetensors_io import host_array, is_kernel, param_location, tensor_layout
     from qarl_jax.quant.spec import QuantSpec
     from qarl_jax.rollout.layout import freeze
 
+    # the floor of any gather on CPU devices: the largest tensor (the embedding) gathered alone
+    _, gather = peak(lambda: host_array(params["embed_tokens"]["embedding"]))
     _, hf = peak(lambda: save_pretrained(out / "hf", config, params, None, max_shard_bytes=max_shard_bytes))
     spec = QuantSpec(fmt="w4a16")
     frozen = jax.block_until_ready(freeze(params, spec, model))
     frozen_held = sum(s.data.nbytes for x in jax.tree.leaves(frozen) for s in x.addressable_shards)
     _, ct = peak(lambda: save_compressed(out / "ct", config, frozen, spec, max_shard_bytes=max_shard_bytes))
-    checked = {}
+    checked, dequantized = {}, {}
     for path, name, _ in tensor_layout(config):
-        if name in CHECKED:
+        if name in CHECKED or name in CHECKED_QUANTIZED:
             key, index = param_location(config, path)
-            node = params
-            for k in key:
-                node = node[k]
-            arr = host_array(node if index is None else node[index])
-            checked[name] = arr.T if is_kernel(path) else arr
+            for tree, into in ((params, checked), (frozen, dequantized)):
+                node = tree
+                for k in key:
+                    node = node[k]
+                host = jax.tree.map(lambda a, i=index: host_array(a if i is None else a[i]), node)
+                if isinstance(host, QuantizedWeight):
+                    host = np.asarray(dequantize(host))
+                into[name] = host.T if is_kernel(path) else host
     if jax.process_index() == 0:
-        np.savez(out / "checked.npz", **checked)
-    return dict(export_hf=hf, export_compressed=ct, frozen_held=frozen_held)
+        np.savez(out / "checked.npz", **{n: checked[n] for n in CHECKED})
+        np.savez(out / "dequantized.npz", **{n: dequantized[n] for n in CHECKED_QUANTIZED})
+    return dict(gather_embedding=gather, export_hf=hf, export_compressed=ct, frozen_held=frozen_held)
 
 
 def child(ckpt: str, coordinator: str, process_id: int, scan_layers: bool, out: str | None, shard: int):
@@ -139,17 +150,28 @@ def child(ckpt: str, coordinator: str, process_id: int, scan_layers: bool, out: 
     print(json.dumps(result), flush=True)
 
 
-def check_hf_export(out: pathlib.Path) -> dict:
-    """Load the Hugging Face export with transformers; the :data:`CHECKED` tensors must equal the
-    params (bitwise: f32 written, f32 read)."""
+def check_exports(out: pathlib.Path) -> dict:
+    """Load both exports with transformers (compressed-tensors decompresses on the first forward):
+    the :data:`CHECKED` tensors of the Hugging Face export must equal the params, the
+    :data:`CHECKED_QUANTIZED` modules of the compressed one the frozen weights dequantized, bit for
+    bit (f32 written, f32 read)."""
     import numpy as np
+    import torch
     from transformers import AutoModelForCausalLM
 
-    state = AutoModelForCausalLM.from_pretrained(out / "hf", dtype="float32").state_dict()
-    checked = np.load(out / "checked.npz")
-    equal = {name: bool(np.array_equal(state[name].numpy(), checked[name])) for name in CHECKED}
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
+    want = np.load(out / "checked.npz")
+    equal = {f"hf {n}": bool(np.array_equal(hf[n].numpy(), want[n])) for n in CHECKED}
+    del hf
+    ct = AutoModelForCausalLM.from_pretrained(out / "ct", dtype=torch.float32)
+    with torch.no_grad():
+        ct(torch.zeros((1, 4), dtype=torch.long))
+    want = np.load(out / "dequantized.npz")
+    for n in CHECKED_QUANTIZED:
+        loaded = ct.get_submodule(n.removesuffix(".weight")).weight.detach().numpy()
+        equal[f"compressed {n}"] = bool(np.array_equal(loaded, want[n]))
     if not all(equal.values()):
-        sys.exit(f"the transformers load of {out / 'hf'} differs from the params: {equal}")
+        sys.exit(f"a transformers load of the exports in {out} differs: {equal}")
     return equal
 
 
@@ -202,12 +224,12 @@ def main() -> None:
     for r in results:
         r["added_over_f32"] = round(r["added"] / r["f32_bytes"], 3)
         r["held_over_f32"] = round(r["held"] / r["f32_bytes"], 3)
-        for key in ("export_hf", "export_compressed"):
+        for key in ("gather_embedding", "export_hf", "export_compressed", "frozen_held"):
             if key in r:
                 r[key + "_over_f32"] = round(r[key] / r["f32_bytes"], 3)
     report: dict = dict(checkpoint=str(ckpt), scan_layers=args.scan_layers, hosts=results)
     if args.export:
-        report |= dict(max_shard_bytes=shard, hf_export_equal=check_hf_export(pathlib.Path(args.out)))
+        report |= dict(max_shard_bytes=shard, loads_equal=check_exports(pathlib.Path(args.out)))
     print(json.dumps(report, indent=2))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report if args.export else results, indent=2))

@@ -205,7 +205,10 @@ def host_array(x) -> np.ndarray:
     array no process holds whole is all-gathered: collective, every process calls it in the same
     order. The exports (:func:`qarl_jax.models.hf_io.save_pretrained`,
     :func:`qarl_jax.models.compressed_tensors.save_compressed`) gather one tensor at a time with it,
-    so no host ever holds the whole model."""
+    so no host ever holds the whole model. The gather puts a copy on every local device: in device
+    memory on accelerators; on CPU devices that is host RAM, about 7x the tensor measured on two
+    processes of 4 CPU devices (benchmarks/RESULTS.md, 2026-12-06 host RAM), above the one-tensor
+    bound the exports state for accelerator hosts."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
 

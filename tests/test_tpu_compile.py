@@ -1,9 +1,9 @@
 """Every TPU program compiled by the real TPU compiler (XLA:TPU and Mosaic from libtpu) on this
 CPU host, for slices with no chip attached: the kernels x formats on two generations, and the
 tiny presets' whole run (old log-probs, the aligned update, prefill, decode step) on a v5p slice,
-every format, dense (Qwen3, Qwen2 and Llama 3) and MoE. Lowering alone accepted kernels that Mosaic
-rejects ("Bad lhs type" on every quantized matmul) and missed a gradient that does not trace for
-TPU: only the compiler says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
+dense (Qwen3, Qwen2 and Llama 3) and MoE, with every format's kernels there in both compute
+dtypes. Lowering alone accepted kernels that Mosaic rejects ("Bad lhs type" on every quantized
+matmul) and missed a gradient that does not trace for TPU: only the compiler says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import kernels_pallas as kp
 from kernels_pallas import FORMATS
+from kernels_pallas.formats import DEFAULT_GROUP_SIZE, WEIGHT_BITS
 from kernels_pallas.attention import attention
 from qarl_jax.models import preset
 from qarl_jax.tools import memory_plan
@@ -154,27 +155,91 @@ def test_mosaic_kernels_needs_compiled_tpu_text():
 
 
 # f32 master weights in all; the dense models compute in f32 (the default run: f32 dots at HIGHEST
-# in Mosaic), the MoE in bf16 (what real configs use: bf16 and int8 MXU dots). Every format runs
-# dense and MoE; what a dense family changes is format-independent code (Qwen2's q/k/v biases and no
-# q/k norms, Llama 3's llama3 RoPE frequencies), so two of the dense cells go to the new families,
-# each in the format its rows use (the Qwen2.5-Math configs' w4a16, the rollout matrix's Llama fp8),
-# and the suite keeps its 10 cells.
-DENSE = {
-    "bf16": "qwen3-tiny",
-    "w8a8": "qwen3-tiny",
-    "w4a8": "qwen3-tiny",
-    "w4a16": "qwen2-tiny",
-    "fp8": "llama-tiny",
-}
-CELLS = [(DENSE[f], "float32", f) for f in FORMATS] + [("qwen3-moe-tiny", "bfloat16", f) for f in FORMATS]
+# in Mosaic), the MoE in bf16 (what real configs use: bf16 and int8 MXU dots). A format changes the
+# run's programs only in its matmul kernels (the model code is format-free), so the whole run is
+# compiled in five cells and every format x compute dtype's kernels in
+# test_every_format_compiles_for_v5p_and_decodes_with_the_training_kernels (seconds, where a cell
+# costs 10-25 s): the MoE in w4a16 (the real configs') and w8a8 (int8 MXU dots, grouped too); the
+# dense families each where their code differs (Qwen2's q/k/v biases and no q/k norms, Llama 3's
+# llama3 RoPE frequencies), in the format its rows use (the Qwen2.5-Math configs' w4a16, the rollout
+# matrix's Llama fp8), and Qwen3 in bf16 (the README's bf16-rollout floors).
+CELLS = [
+    ("qwen3-tiny", "float32", "bf16"),
+    ("qwen2-tiny", "float32", "w4a16"),
+    ("llama-tiny", "float32", "fp8"),
+    ("qwen3-moe-tiny", "bfloat16", "w4a16"),
+    ("qwen3-moe-tiny", "bfloat16", "w8a8"),
+]
 
 
-def test_the_v5p_cells_cover_every_format_and_the_families_code():
-    assert sorted(DENSE) == sorted(FORMATS)
-    spec = {name: preset(name).spec for name in DENSE.values()}
+def test_the_v5p_cells_cover_the_families_code_and_both_compute_dtypes():
+    spec = {name: preset(name).spec for name, _, _ in CELLS}
     assert spec["qwen2-tiny"].qkv_bias and not spec["qwen2-tiny"].qk_norm
     assert preset("llama-tiny").rope_scaling is not None and not spec["llama-tiny"].qk_norm
     assert spec["qwen3-tiny"].qk_norm and not spec["qwen3-tiny"].qkv_bias
+    assert {compute for _, compute, _ in CELLS} == {"float32", "bfloat16"}
+
+
+def _kernels(program: Program, devices: list) -> set[tuple[str, str]]:
+    result = compile_on("v5p:2x2x1", program, devices)
+    assert result.error is None, f"{program.name}: {result.error}"
+    assert result.kernels, f"{program.name}: no Mosaic kernel (a fallback ran)"
+    return {(k.name, k.digest) for k in result.kernels}
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_every_format_compiles_for_v5p_and_decodes_with_the_training_kernels(compute):
+    """What a format changes in the run, for every format: its matmul (and, in bf16 like the MoE
+    runs, its grouped expert matmul) at a decode step's rows, and the training forward and its
+    straight-through gradient at a training chunk's rows, all compiled for a v5p chip; the decode
+    kernel is one the training program runs (same digest: same body and tiling, another grid), the
+    whole run's check (test_the_run_compiles_for_a_v5p_slice) at the kernels' level."""
+    dtype = jnp.dtype(compute)
+    devices = topology_devices("v5p:2x2x1")
+    dense, moe = preset("qwen3-tiny"), preset("qwen3-moe-tiny")
+    k, n = dense.hidden_size, dense.intermediate_size
+    e, ki, ni = moe.num_experts, moe.hidden_size, moe.moe_intermediate_size
+    decode, train = 16, 256
+    for fmt in FORMATS:
+        group = DEFAULT_GROUP_SIZE if WEIGHT_BITS[fmt] == 4 else None
+        frozen = lambda *shape, fmt=fmt, group=group: jax.eval_shape(  # noqa: E731
+            lambda: kp.quantize(jnp.zeros(shape, jnp.float32), fmt, group)
+        )
+        ste = lambda x, w, fmt=fmt, group=group: kp.quantized_matmul_ste(x, w, fmt, group)  # noqa: E731
+        step = _kernels(
+            Program(f"{fmt} decode", kp.quantized_matmul, (_struct((decode, k), dtype), frozen(k, n))), devices
+        )
+        update = jax.value_and_grad(lambda x, w: jnp.sum(ste(x, w).astype(jnp.float32)), (0, 1))
+        training = _kernels(
+            Program(f"{fmt} update", update, (_struct((train, k), dtype), _struct((k, n), jnp.float32))), devices
+        )
+        assert step <= training and {name for name, _ in step} == {f"qarl_{fmt}_matmul_tpu"}, fmt
+        if compute != "bfloat16":
+            continue
+        sizes = _struct((e,), jnp.int32)
+        gste = lambda x, w, s, fmt=fmt, group=group: kp.grouped_matmul_ste(x, w, s, fmt, group)  # noqa: E731
+        step = _kernels(
+            Program(
+                f"{fmt} grouped decode",
+                kp.grouped_matmul,
+                (_struct((decode, ki), dtype), frozen(e, ki, ni), sizes),
+            ),
+            devices,
+        )
+        update = jax.value_and_grad(lambda x, w, s: jnp.sum(gste(x, w, s).astype(jnp.float32)), (0, 1))
+        training = _kernels(
+            Program(
+                f"{fmt} grouped update",
+                update,
+                (_struct((train, ki), dtype), _struct((e, ki, ni), jnp.float32), sizes),
+            ),
+            devices,
+        )
+        assert step <= training and {name for name, _ in step} == {f"qarl_{fmt}_grouped_matmul_tpu"}, fmt
+
+
+def _struct(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
 @pytest.mark.parametrize("name, compute, fmt", CELLS)

@@ -3,7 +3,8 @@ CPU host, for slices with no chip attached: the kernels x formats on two generat
 tiny presets' whole run (old log-probs, the aligned update, prefill, decode step) on a v5p slice,
 dense (Qwen3, Qwen2 and Llama 3) and MoE, with every format's kernels there in both compute
 dtypes. Lowering alone accepted kernels that Mosaic rejects ("Bad lhs type" on every quantized
-matmul) and missed a gradient that does not trace for TPU: only the compiler says. libtpu comes with the dev extras: a missing one fails here, it is not skipped."""
+matmul) and missed a gradient that does not trace for TPU: only the compiler says. libtpu comes
+with the dev extras: a missing one fails here, it is not skipped."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import kernels_pallas as kp
 from kernels_pallas import FORMATS
-from kernels_pallas.formats import DEFAULT_GROUP_SIZE, WEIGHT_BITS
 from kernels_pallas.attention import attention
+from kernels_pallas.formats import DEFAULT_GROUP_SIZE, WEIGHT_BITS
 from qarl_jax.models import preset
 from qarl_jax.tools import memory_plan
 from qarl_jax.tools.program_cost import Cost, program_cost
@@ -187,6 +188,23 @@ def _kernels(program: Program, devices: list) -> set[tuple[str, str]]:
     return {(k.name, k.digest) for k in result.kernels}
 
 
+def _decode_and_training_kernels(fmt: str, forward, frozen, master, rows: tuple, devices: list) -> None:
+    """``forward`` (a decode step's: ``rows[0]`` rows against the frozen weight) and its
+    straight-through training twin (``rows[1]`` rows against the f32 master weight, with its
+    gradient) compiled for a v5p chip; the decode step's kernels are training kernels."""
+    x, *rest = frozen
+    step = _kernels(
+        Program(f"{fmt} decode", forward, (_struct((rows[0], *x.shape), x.dtype), *rest)), devices
+    )
+    x, *rest = master
+    value_and_grad = jax.value_and_grad(
+        lambda x, *a: jnp.sum(forward(x, *a, ste=True).astype(jnp.float32)), (0, 1)
+    )
+    args = (_struct((rows[1], *x.shape), x.dtype), *rest)
+    assert step <= _kernels(Program(f"{fmt} update", value_and_grad, args), devices), fmt
+    assert {name for name, _ in step} == {f"qarl_{fmt}_{forward.__name__}_tpu"}, step
+
+
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_every_format_compiles_for_v5p_and_decodes_with_the_training_kernels(compute):
     """What a format changes in the run, for every format: its matmul (and, in bf16 like the MoE
@@ -194,48 +212,29 @@ def test_every_format_compiles_for_v5p_and_decodes_with_the_training_kernels(com
     straight-through gradient at a training chunk's rows, all compiled for a v5p chip; the decode
     kernel is one the training program runs (same digest: same body and tiling, another grid), the
     whole run's check (test_the_run_compiles_for_a_v5p_slice) at the kernels' level."""
-    dtype = jnp.dtype(compute)
     devices = topology_devices("v5p:2x2x1")
     dense, moe = preset("qwen3-tiny"), preset("qwen3-moe-tiny")
     k, n = dense.hidden_size, dense.intermediate_size
     e, ki, ni = moe.num_experts, moe.hidden_size, moe.moe_intermediate_size
-    decode, train = 16, 256
+    x, xi, sizes = _struct((k,), compute), _struct((ki,), compute), _struct((e,), jnp.int32)
     for fmt in FORMATS:
         group = DEFAULT_GROUP_SIZE if WEIGHT_BITS[fmt] == 4 else None
-        frozen = lambda *shape, fmt=fmt, group=group: jax.eval_shape(  # noqa: E731
-            lambda: kp.quantize(jnp.zeros(shape, jnp.float32), fmt, group)
-        )
-        ste = lambda x, w, fmt=fmt, group=group: kp.quantized_matmul_ste(x, w, fmt, group)  # noqa: E731
-        step = _kernels(
-            Program(f"{fmt} decode", kp.quantized_matmul, (_struct((decode, k), dtype), frozen(k, n))), devices
-        )
-        update = jax.value_and_grad(lambda x, w: jnp.sum(ste(x, w).astype(jnp.float32)), (0, 1))
-        training = _kernels(
-            Program(f"{fmt} update", update, (_struct((train, k), dtype), _struct((k, n), jnp.float32))), devices
-        )
-        assert step <= training and {name for name, _ in step} == {f"qarl_{fmt}_matmul_tpu"}, fmt
-        if compute != "bfloat16":
-            continue
-        sizes = _struct((e,), jnp.int32)
-        gste = lambda x, w, s, fmt=fmt, group=group: kp.grouped_matmul_ste(x, w, s, fmt, group)  # noqa: E731
-        step = _kernels(
-            Program(
-                f"{fmt} grouped decode",
-                kp.grouped_matmul,
-                (_struct((decode, ki), dtype), frozen(e, ki, ni), sizes),
-            ),
-            devices,
-        )
-        update = jax.value_and_grad(lambda x, w, s: jnp.sum(gste(x, w, s).astype(jnp.float32)), (0, 1))
-        training = _kernels(
-            Program(
-                f"{fmt} grouped update",
-                update,
-                (_struct((train, ki), dtype), _struct((e, ki, ni), jnp.float32), sizes),
-            ),
-            devices,
-        )
-        assert step <= training and {name for name, _ in step} == {f"qarl_{fmt}_grouped_matmul_tpu"}, fmt
+
+        def frozen(*shape, fmt=fmt, group=group):
+            return jax.eval_shape(lambda: kp.quantize(jnp.zeros(shape, jnp.float32), fmt, group))
+
+        def matmul(x, w, ste=False, fmt=fmt, group=group):
+            return kp.quantized_matmul_ste(x, w, fmt, group) if ste else kp.quantized_matmul(x, w)
+
+        def grouped_matmul(x, w, s, ste=False, fmt=fmt, group=group):
+            return kp.grouped_matmul_ste(x, w, s, fmt, group) if ste else kp.grouped_matmul(x, w, s)
+
+        master = _struct((k, n), jnp.float32)
+        _decode_and_training_kernels(fmt, matmul, (x, frozen(k, n)), (x, master), (16, 256), devices)
+        if compute == "bfloat16":
+            master = _struct((e, ki, ni), jnp.float32)
+            args = (xi, frozen(e, ki, ni), sizes), (xi, master, sizes)
+            _decode_and_training_kernels(fmt, grouped_matmul, *args, (16, 256), devices)
 
 
 def _struct(shape, dtype) -> jax.ShapeDtypeStruct:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import slow_but
 
 from kernels_pallas.attention import attention, reference_attention, reference_attention_f64
 
@@ -48,7 +49,7 @@ def test_packed_full_matches_f64_reference():
     )
 
 
-@pytest.mark.parametrize("block_kv", [None, 16])
+@pytest.mark.parametrize("block_kv", slow_but([None, 16], 16))
 def test_decode_over_cache_equals_packed_full_bitwise(block_kv):
     """Sequence B (40 tokens) packed after a 7-token sequence, against B alone in slot 1 of a 3-slot
     KV cache of length 96 (other slots hold other data), queried one token at a time and all at once."""
@@ -78,7 +79,11 @@ def test_rows_invariant_to_batch_and_neighbours():
 
 @pytest.mark.parametrize(  # the f32 shapes' heads differed before (2026-12-04)
     "heads,kv,d,t,dtype",
-    [(16, 8, 24, 50, jnp.float32), (4, 4, 48, 70, jnp.float32), (16, 8, 24, 50, jnp.bfloat16)],
+    slow_but(
+        [(16, 8, 24, 50, jnp.float32), (4, 4, 48, 70, jnp.float32), (16, 8, 24, 50, jnp.bfloat16)],
+        (4, 4, 48, 70, jnp.float32),
+        several=True,
+    ),
 )
 def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
     """A tensor-parallel device holds some of the heads (or one kv head shared by several devices):
@@ -109,7 +114,7 @@ def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
         np.testing.assert_array_equal(f32(ATTN(q[:, :, qs], k[:, :, kvs], v[:, :, kvs], pos)), rep[:, :, qs])
 
 
-@pytest.mark.parametrize("kv", [1, 2])
+@pytest.mark.parametrize("kv", slow_but([1, 2], 2))
 def test_one_row_over_one_key_block(kv):
     """One sequence whose keys fit in one key block, one query head per kv head, f32: the bits of the
     same row beside others, prefilled and in a decode step (a tensor-parallel device holding one q
@@ -135,6 +140,7 @@ def test_masked_keys_contribute_nothing():
     np.testing.assert_array_equal(np.asarray(ATTN(q[:, :20], k2, v2, pos[:, :20])), base)
 
 
+@pytest.mark.slow
 def test_gradients_match_reference():
     q, k, v = qkv(2, 12, seed=4)
     pos, starts, seg = packed_row([5, 6], 12)
@@ -151,6 +157,7 @@ def test_gradients_match_reference():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_invariance_check_can_fail():
     """Negative control: another key-block size is another summation order, and the bits show it."""
     q, k, v = qkv(2, 64, seed=5)

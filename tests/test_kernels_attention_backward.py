@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import slow_but
 
 from kernels_pallas.attention import Visibility, attention, reference_attention
 from kernels_pallas.attention.backward import attention_backward
@@ -52,7 +53,7 @@ def _dense_vjp(case):
     return (q, k, v, g, out, pos, starts, seg), vjp(g)
 
 
-@pytest.mark.parametrize("blocks", [(8, 8), (4, 16), (64, 64)])
+@pytest.mark.parametrize("blocks", slow_but([(8, 8), (4, 16), (64, 64)], (4, 16), (64, 64)))
 def test_blockwise_backward_matches_the_dense_formula(blocks):
     """Two rows packing 20 + 17 and 30 + 7 padding tokens, T = 37: ragged last blocks, a query
     block spanning two sequences, blocks longer than the row."""
@@ -64,7 +65,7 @@ def test_blockwise_backward_matches_the_dense_formula(blocks):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", ["one-sequence", "kv-cache"])
+@pytest.mark.parametrize("case", slow_but(["one-sequence", "kv-cache"], "one-sequence"))
 def test_kernel_custom_vjp_matches_the_dense_formula(case):
     """Through ``attention``'s custom VJP (forward: the invariant kernel; default blocks): one
     unpacked sequence with 2 heads of 2, and 5 queries over a 24-key cache (starts None)."""
@@ -74,6 +75,7 @@ def test_kernel_custom_vjp_matches_the_dense_formula(case):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_bf16_gradients_close_to_f32():
     (q, k, v, g), pos, starts, seg = CASES["packed"]()
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import slow_but
 
 from kernels_pallas import fused_rows, quantize, rowwise
 from kernels_pallas.fused import default_block_rows
@@ -39,7 +40,7 @@ def _inputs(m: int = 70):
     return x, pos
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w8a8", "w4a16"])
+@pytest.mark.parametrize("fmt", slow_but(["bf16", "w8a8", "w4a16"], "w4a16"))
 def test_fused_chain_rows_are_invariant_and_match_the_unfused_chain(fmt):
     x, pos = _inputs()
     p = _weights(fmt)
@@ -67,7 +68,7 @@ def test_fused_chain_is_one_loop():
     assert unfused.lower(x, pos).compile().as_text().count(" while(") == 3
 
 
-@pytest.mark.parametrize("backward_rows", [None, 8, 20, 64])
+@pytest.mark.parametrize("backward_rows", slow_but([None, 8, 20, 64], 8, 20, 64))
 def test_fused_gradient_is_the_chains(backward_rows):
     """The backward differentiates the chain itself (straight-through for the matmul), over chunks
     of ``backward_rows`` rows (8: two chunks and a 4-row tail; 20: one chunk; 64: fewer rows than a
@@ -86,6 +87,7 @@ def test_fused_gradient_is_the_chains(backward_rows):
     np.testing.assert_allclose(gp["scale"], rp["scale"], rtol=1e-4, atol=atol)
 
 
+@pytest.mark.slow
 def test_chunked_gradient_matches_finite_differences():
     """A chunked backward (3 chunks and a tail) against central differences of the fused forward
     along random directions (the kernels normalise in f32, so single elements' differences drown

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import slow_but
 
 import kernels_pallas as kp
 from kernels_pallas.grouped import expert_weight
@@ -31,7 +32,7 @@ def test_group_layout_one_expert_per_block():
     np.testing.assert_array_equal(block_expert[:5], [0, 2, 2, 2, 3])
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 def test_grouped_matches_float64_reference(fmt):
     w = _weights(fmt, seed=1)
     x = _x(30, seed=2)
@@ -43,7 +44,7 @@ def test_grouped_matches_float64_reference(fmt):
     assert np.all(y[27:] == 0) and np.any(y[:27] != 0)
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 def test_grouped_rows_equal_dense_kernel_bitwise(fmt):
     w = _weights(fmt, seed=3)
     x = _x(20, seed=4)
@@ -55,7 +56,7 @@ def test_grouped_rows_equal_dense_kernel_bitwise(fmt):
         np.testing.assert_array_equal(np.asarray(y[r]), np.asarray(dense[0]))
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(
     m=st.sampled_from((1, 12, 40)),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import slow_but
 
 import kernels_pallas as kp
 from kernels_pallas.formats import int_values
@@ -113,7 +114,7 @@ def test_one_block_loop_is_a_real_while_loop():
 M_BUCKETS = (1, 5, 16, 33)
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     m=st.sampled_from(M_BUCKETS),

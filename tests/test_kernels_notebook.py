@@ -3,11 +3,13 @@
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "kernels.ipynb"
 
 
+@pytest.mark.slow
 def test_kernels_notebook_executes():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(

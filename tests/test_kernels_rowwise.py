@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import slow_but
 
 from kernels_pallas import rowwise
 
@@ -36,7 +37,7 @@ def test_rms_norm_matches_f64_and_is_row_invariant():
     assert_row_invariant(f, x)
 
 
-@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("scaled", slow_but([False, True], True))
 def test_rope_matches_f64_and_is_row_invariant(scaled):
     """theta's frequencies, or given ones (a scaled RoPE's: here the lower half divided by 8)."""
     x = rows(n=4 * 32).reshape(M, 4, 32)
@@ -58,8 +59,8 @@ def test_rope_matches_f64_and_is_row_invariant(scaled):
     assert_row_invariant(f, x, pos)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("v, block_v", [(128, None), (1000, 256)])
+@pytest.mark.parametrize("temperature", slow_but([1.0, 0.7], 0.7))
+@pytest.mark.parametrize("v, block_v", slow_but([(128, None), (1000, 256)], (1000, 256), several=True))
 def test_log_softmax_and_token_logprobs(v, block_v, temperature):
     """Chunked vocabulary (V=1000 in chunks of 256, the last one padded) against float64, and
     token_logprobs bitwise equal to log_softmax at the target."""
@@ -85,6 +86,7 @@ def test_big_vocabulary_chunks():
     np.testing.assert_array_equal(np.asarray(jax.jit(rowwise.logsumexp)(x[1:2])), lse[1:2])
 
 
+@pytest.mark.slow
 def test_gradients_match_reference():
     x, w = rows(m=5, n=64), jnp.linspace(0.5, 1.5, 64)
     t = jnp.arange(5) * 7
@@ -105,6 +107,7 @@ def test_gradients_match_reference():
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_invariance_check_can_fail():
     """Negative control: plain XLA log-sum-exp changes the chunk order -> other bits somewhere."""
     x = rows(m=64, n=151_936 // 16, scale=4.0)

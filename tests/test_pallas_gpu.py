@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_cases import MatmulCases, f32_bound
+from tiers import slow_but
 
 from kernels_pallas import formats
 from kernels_pallas.grouped.common import group_tiles
@@ -21,20 +22,20 @@ CASES = MatmulCases("gpu", K, N, group=32, blocks=BLK)
 weight, acts, run = CASES.weight, CASES.acts, CASES.run
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_lowers_for_cuda_through_triton(fmt):
     x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
     assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False), x, w)  # Triton, not Mosaic GPU
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_grouped_lowers_for_cuda_through_triton(fmt):
     x, w = acts(24, dtype=jnp.bfloat16), weight(fmt, shape=(3, K, N), dtype=jnp.bfloat16)
     sizes = jnp.array([5, 0, 19], jnp.int32)
     assert CASES.lowers(lambda x, w, s: CASES.grouped(x, w, s, interpret=False), x, w, sizes)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w4a16", "w4a8", "fp8"])
+@pytest.mark.parametrize("fmt", slow_but(["bf16", "w4a16", "w4a8", "fp8"], "w4a16"))
 def test_float_formats_match_reference(fmt):
     x, w = acts(5), weight(fmt)
     y = run(x, w)
@@ -52,10 +53,12 @@ def test_w8a8_is_exact_int32_accumulation():
     np.testing.assert_allclose(y, reference_matmul(np.asarray(x), w), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_activations_and_output_dtype():
     CASES.assert_bf16_in_bf16_out()
 
 
+@pytest.mark.slow
 def test_padding_of_n_and_k():
     """N and K that no power-of-two block divides are padded, not mis-tiled."""
     x = acts(3, k=72)
@@ -64,7 +67,7 @@ def test_padding_of_n_and_k():
     np.testing.assert_allclose(y, reference_matmul(np.asarray(x), w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_rows_bitwise_invariant_to_m_and_neighbours(fmt):
     w = weight(fmt)
     x = acts(40, seed=3)
@@ -77,6 +80,7 @@ def test_rows_bitwise_invariant_to_m_and_neighbours(fmt):
     np.testing.assert_array_equal(run(other, w)[3], full[0])
 
 
+@pytest.mark.slow
 def test_invariance_check_can_fail():
     """Negative control: another K tiling changes the summation order, and the bits show it."""
     w = weight("bf16")
@@ -97,7 +101,7 @@ def run_grouped(x, w, sizes, **kw):
     return np.asarray(CASES.grouped(x, w, sizes, out_dtype=jnp.float32, **kw))
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_grouped_matches_reference_and_is_invariant(fmt):
     w = weight(fmt, shape=(4, K, N), seed=7)
     sizes = [7, 0, 20, 5]
@@ -153,7 +157,7 @@ KNOBS = [
 ]
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 @pytest.mark.parametrize("knobs", KNOBS, ids=["split2", "split4-swap-bf16dot"])
 def test_decode_knobs_match_reference_and_keep_rows_invariant(fmt, knobs):
     """Fixed split-K (partials summed in split order), swapped operands, integer dots through bf16."""
@@ -169,6 +173,7 @@ def test_decode_knobs_match_reference_and_keep_rows_invariant(fmt, knobs):
         np.testing.assert_array_equal(run(x[:m], w, **knobs), full[:m])
 
 
+@pytest.mark.slow
 def test_int4_group_longer_than_a_step():
     """Groups spanning several K steps (inner loop over chunks of one group) stay exact-ish and invariant."""
     wf = jax.random.normal(jax.random.key(6), (K, N), jnp.float32) * 0.1
@@ -180,7 +185,7 @@ def test_int4_group_longer_than_a_step():
     np.testing.assert_array_equal(run(x[:1], w, block_k=32, split_k=1), full[:1])
 
 
-@pytest.mark.parametrize("fmt", ["w8a8", "w4a16", "fp8"])
+@pytest.mark.parametrize("fmt", slow_but(["w8a8", "w4a16", "fp8"], "w4a16"))
 def test_decode_knobs_lower_for_cuda(fmt):
     x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
     assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False, **KNOBS[1]), x, w)

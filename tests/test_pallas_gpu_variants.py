@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from pallas_cases import MatmulCases, f32_bound
 from test_pallas_gpu import grouped_reference, run_grouped
+from tiers import slow_but
 
 from kernels_pallas import formats
 from kernels_pallas._dequant import int4_halves
@@ -55,7 +56,7 @@ def test_magic_dequant_gives_the_shift_values(cdt):
     np.testing.assert_array_equal(high[0], -8.0)  # bytes 0x80-0x8F
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", slow_but([jnp.float32, jnp.bfloat16], jnp.bfloat16))
 def test_magic_dequant_kernel_is_bitwise_the_shift_kernel(dtype):
     w, x = weight("w4a16"), acts(16, seed=3, dtype=dtype)
     knobs = dict(split_k=2, block_n=64, num_stages=5)
@@ -72,7 +73,7 @@ SPLIT_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w8a8", "w4a16", "fp8"])
+@pytest.mark.parametrize("fmt", slow_but(["bf16", "w8a8", "w4a16", "fp8"], "w4a16"))
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS)
 def test_split_k_variants_keep_the_contract(fmt, variant):
     knobs = SPLIT_VARIANTS[variant]
@@ -81,7 +82,7 @@ def test_split_k_variants_keep_the_contract(fmt, variant):
     assert_contract(fmt, x, w, y16, lambda m: run(x[:m], w, **knobs))
 
 
-@pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
+@pytest.mark.parametrize("fmt", slow_but(["w8a8", "w4a16"], "w4a16"))
 def test_grouped_split_k_keeps_the_contract(fmt):
     w = weight(fmt, shape=(3, K, N), seed=7)
     sizes = [5, 0, 9]
@@ -141,6 +142,7 @@ def _tuned_in_subprocess(path: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_sweep_json_becomes_the_tables(tmp_path):
     """What benchmarks/gpu_sweep.py writes is what the kernels read; a broken file names itself."""
     good = tmp_path / "tuned_gpu.json"

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_cases import PLATFORM, lowered_text
+from tiers import slow_but
 
 from kernels_pallas import attention as attn
 from kernels_pallas import rowwise
@@ -115,7 +116,7 @@ def test_public_api_dispatches_to_the_backend_kernels(backend):
         assert f"qarl_{kernel}{suffix}" in text
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_but(BACKENDS, "gpu"))
 @pytest.mark.parametrize("name", list(ROW_CASES))
 def test_rowwise_matches_f64_and_rows_are_invariant(backend, name):
     run, make = ROW_CASES[name]
@@ -162,7 +163,7 @@ def test_attention_lowers_for_platform(backend):
     assert PLATFORM[backend][1] in lowered_text(backend, fn, q[:, :1], k, v, pos[:, :1])  # decode, no starts
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_but(BACKENDS, "gpu"))
 def test_attention_matches_f64_and_decode_equals_full_sequence(backend):
     q, k, v, pos, st, seg = packed_inputs()
     full = run_attn(backend, q, k, v, pos, st, seg, seg)

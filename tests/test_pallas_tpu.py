@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_cases import MatmulCases, f32_bound
+from tiers import slow_but
 
 import kernels_pallas as kp
 from kernels_pallas import formats
@@ -21,7 +22,7 @@ CASES = MatmulCases("tpu", K, N, group=64, blocks=BLK)
 weight, acts, run = CASES.weight, CASES.acts, CASES.run
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_matches_reference_and_rows_are_invariant(fmt):
     w = weight(fmt)
     x = acts(64, seed=3)
@@ -39,6 +40,7 @@ def test_matches_reference_and_rows_are_invariant(fmt):
     np.testing.assert_array_equal(run(x[perm], w), full[perm])
 
 
+@pytest.mark.slow
 def test_invariance_check_can_fail():
     """Negative control: another K tiling changes the summation order, and the bits show it."""
     w = weight("bf16")
@@ -46,11 +48,12 @@ def test_invariance_check_can_fail():
     assert not np.array_equal(run(x, w, block_k=128), run(x, w, block_k=256))
 
 
+@pytest.mark.slow
 def test_bf16_inputs_default_out_dtype():
     CASES.assert_bf16_in_bf16_out()
 
 
-@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_grouped_matches_reference_and_is_invariant(fmt):
     w = weight(fmt, shape=(3, K, N), seed=7)
     sizes = np.array([10, 0, 40])

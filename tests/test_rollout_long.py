@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tiers import slow_but
 
 from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM, init_params, init_sharded, preset
@@ -58,6 +59,7 @@ def test_kv_cache_bytes_per_device():
     assert engine.init_decode_state().cache.k.addressable_shards[0].data.nbytes == full // 8 // 2
 
 
+@pytest.mark.slow
 def test_memory_plan_compiled_prints_xla_memory(capsys):
     """On the 8 fake devices, a 1-layer tiny model: the four programs compile and their figures
     print beside the estimate."""
@@ -80,7 +82,7 @@ def test_memory_plan_compiled_prints_xla_memory(capsys):
     assert "compiled total" in out and "fits" in out
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", slow_but(["adamw", "muon"], "adamw"))
 def test_optimizer_state_is_sharded_like_the_parameters(optimizer):
     """jit(tx.init) alone replicated the moments on every device (their zeros read no input);
     Trainer.init_state places each like its parameter."""

@@ -46,7 +46,7 @@ def test_fused_chain_rows_are_invariant_and_match_the_unfused_chain(fmt):
     p = _weights(fmt)
     fused = jax.jit(lambda x, pos: fused_rows(_chain, (x, pos), p, block_rows=BLOCK)[0])
     full = np.asarray(fused(x, pos))
-    for m in (1, 15, 16, 17, 33):  # one row, block edges, several blocks
+    for m in (1, 16, 17):  # one row, a whole block, one past it (the full 70: several and a part)
         np.testing.assert_array_equal(np.asarray(fused(x[:m], pos[:m])), full[:m])
     perm = np.random.default_rng(0).permutation(x.shape[0])
     np.testing.assert_array_equal(np.asarray(fused(x[perm], pos[perm])), full[perm])

@@ -20,9 +20,10 @@ def rows(m: int = M, n: int = 128, seed: int = 0, scale: float = 3.0) -> jax.Arr
 
 def assert_row_invariant(f, *args):
     """Every prefix of the rows (1 row, one block, block edges) gives the full call's row bits, and
-    so does a permutation of the rows."""
+    so does a permutation of the rows. (One prefix a path: a part block, one short of a block, a
+    whole block, one past it; the full call's M = 150 is whole blocks and a part one.)"""
     full = np.asarray(f(*args))
-    for m in (1, 3, 63, 64, 65, 128):
+    for m in (1, 63, 64, 65):
         np.testing.assert_array_equal(np.asarray(f(*(a[:m] for a in args))), full[:m])
     perm = np.random.default_rng(0).permutation(args[0].shape[0])
     np.testing.assert_array_equal(np.asarray(f(*(a[perm] for a in args))), full[perm])

@@ -72,7 +72,7 @@ def test_rows_bitwise_invariant_to_m_and_neighbours(fmt):
     w = weight(fmt)
     x = acts(40, seed=3)
     full = run(x, w)
-    for m in (1, 5, 16, 17):
+    for m in (1, 16, 17):  # a part block, a whole one, one past it
         np.testing.assert_array_equal(run(x[:m], w), full[:m])
     perm = np.random.default_rng(0).permutation(40)
     np.testing.assert_array_equal(run(x[perm], w), full[perm])

@@ -37,7 +37,7 @@ def _abs_bound(x, w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 def test_float_formats_within_k_ulp_of_float64(fmt, dtype):
     w = _weight(fmt, seed=1)
     x = _x(29, seed=2, dtype=dtype)
@@ -88,7 +88,7 @@ def test_w4a8_integer_partials_are_exact():
     np.testing.assert_allclose(y, ref, rtol=0, atol=float(np.max(K * 2.0**-23 * _abs_bound(x, w))))
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 def test_leading_dims_and_out_dtype(fmt):
     w = _weight(fmt, seed=7)
     x = _x(12, seed=8, dtype=jnp.bfloat16)
@@ -135,7 +135,7 @@ def test_rows_bitwise_invariant(fmt, m, pos, seed, scale, bf16):
     np.testing.assert_array_equal(np.asarray(inside[pos], np.float32), np.asarray(alone[0], np.float32))
 
 
-@pytest.mark.parametrize("fmt", kp.FORMATS)
+@pytest.mark.parametrize("fmt", slow_but(kp.FORMATS, "w4a16"))
 def test_rows_invariant_at_default_block(fmt):
     w = _weight(fmt, seed=12)
     x = _x(130, seed=13)

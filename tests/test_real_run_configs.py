@@ -104,10 +104,11 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     own, it gathers every sharded frozen weight whole, each step (so at least their full bytes
     arrive); on its own layouts it moves next to nothing: replicated weights (data=8), and for MoE
     the experts split over expert=8 (each token's routed rows travel, not the weights). The text
-    table and --json carry the same figure."""
+    table and --json carry the same figure. One layer (two for the MoE: its first is dense): what a
+    step moves is per layer, and each layer is one more copy of the same compiled code."""
     engine = EngineConfig(slots=8, max_len=64)
     moved = {}
-    model = Qwen3ForCausalLM(preset("qwen3-tiny"), QuantSpec("w4a16"))
+    model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1), QuantSpec("w4a16"))
     training = sharding.make_mesh(MeshConfig(data=1, fsdp=8), jax.devices()[:8])
     programs, _ = compiled_memory.engine_programs(
         model, model.quant, engine, 16, training, sharding.DEFAULT_RULES
@@ -123,7 +124,7 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     programs, _ = compiled_memory.engine_programs(model, model.quant, engine, 16, replicated)
     moved["data"] = {p.name: p.collective for p in programs}
     assert moved["data"]["decode_step"] < moved["fsdp"]["decode_step"] / 10  # per-slot vectors only
-    moe = Qwen3ForCausalLM(preset("qwen3-moe-tiny"), QuantSpec("w4a16"))
+    moe = Qwen3ForCausalLM(preset("qwen3-moe-tiny", num_hidden_layers=2), QuantSpec("w4a16"))
     experts = layout.engine_mesh(layout.RolloutMesh(data=1, expert=8), jax.devices()[:8])
     moe_programs, _ = compiled_memory.engine_programs(moe, moe.quant, engine, 16, experts)
     expert_bytes = sum(

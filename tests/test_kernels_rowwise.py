@@ -79,6 +79,7 @@ def test_log_softmax_and_token_logprobs(v, block_v, temperature):
     assert_row_invariant(tok, x, t)
 
 
+@pytest.mark.slow
 def test_big_vocabulary_chunks():
     """A 151,936-entry row (Qwen3's vocabulary) in 2,048-wide chunks."""
     x = rows(m=3, n=151_936, scale=5.0)

@@ -28,6 +28,7 @@ REPO = pathlib.Path(__file__).parents[1]
 CONFIGS = REPO / "configs"
 
 
+@pytest.mark.slow
 def test_chunked_prefill_is_bitwise_the_whole_prompt_prefill():
     """A 16-token bucket prefilled 5 tokens at a time (4 chunks, the last one padded past the cache)
     gives the whole-prompt prefill's K/V and last logits bit for bit, for prompts ending in the

@@ -81,6 +81,7 @@ for checkpoint in checkpoints:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the three families' 7 cells in one process: ~75 s on 2 quiet cores
 def test_aligned_rollout_is_bitwise_on_one_device(tmp_path):
     """Every family's cells in one process on one device (one JAX start-up for all of them)."""
     cells = {family: FAMILY_CELLS.get(family, CELLS) for family in sorted(MODELS)}
@@ -95,7 +96,7 @@ def test_aligned_rollout_is_bitwise_on_one_device(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1700,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

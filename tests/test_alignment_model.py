@@ -101,6 +101,7 @@ def test_loss_aux_logprobs_equal_rollout_under_grad_and_remat():
     assert np.abs(np.asarray(grads["layers_0"]["self_attn"]["q_proj"]["kernel"])).max() > 0
 
 
+@pytest.mark.slow  # 28 s; the families' w4a8 cells at 0.7 (slow too) check the same through check_alignment
 def test_engine_sampling_logprobs_at_temperature_equal_loss_bitwise():
     """Tokens drawn by the engine at temperature 0.7 (a per-slot array there, a float in the loss):
     the sampling log-probs it records are what the loss computes at 0.7, bit for bit."""
@@ -128,7 +129,9 @@ def test_engine_sampling_logprobs_at_temperature_equal_loss_bitwise():
     [
         ("qwen3-tiny", "w4a16", sharding.MeshConfig(data=8)),
         ("qwen3-tiny", "w8a8", sharding.MeshConfig(data=2, fsdp=4)),
-        ("qwen3-moe-tiny", "w4a16", sharding.MeshConfig(data=1, fsdp=8)),
+        pytest.param(  # 14 s: the fast tier keeps the dense meshes
+            "qwen3-moe-tiny", "w4a16", sharding.MeshConfig(data=1, fsdp=8), marks=pytest.mark.slow
+        ),
     ],
     ids=["dense-w4a16-dp8", "dense-w8a8-dp2-fsdp4", "moe-w4a16-fsdp8"],
 )

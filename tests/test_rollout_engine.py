@@ -83,6 +83,7 @@ def test_sampled_logprobs_match_full_forward(engine, model, params, prompts):
     assert out[0][0].tokens != out[0][1].tokens  # two samples of one prompt differ
 
 
+@pytest.mark.slow  # 12 s; quantized rollout == training in the fast tier: test_alignment_model
 def test_quantized_rollout_matches_training_forward(prompts):
     spec = quant.QuantSpec("w8a8")
     model = Qwen3ForCausalLM(preset("qwen3-tiny"), quant=spec)
@@ -96,6 +97,7 @@ def test_quantized_rollout_matches_training_forward(prompts):
         np.testing.assert_allclose(s.logprobs, lp, atol=1e-5)
 
 
+@pytest.mark.slow  # 9 s
 def test_mid_flight_insertion_is_independent(engine, prompts):
     """A sample's tokens do not depend on its slot or on what else runs: 6 prompts x 3 samples
     through 4 slots (refilled mid-flight, different slots) against each prompt run alone."""

@@ -94,6 +94,7 @@ def test_weight_sync_moves_once_reports_bytes_and_frees_the_source():
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow  # 13 s
 def test_embedding_in_the_compute_dtype_keeps_every_bit():
     model = Qwen3ForCausalLM(MOE.replace(dtype="bfloat16"), QuantSpec("w4a16"))
     params = init_params(model, jax.random.key(0))
@@ -109,6 +110,7 @@ def test_embedding_in_the_compute_dtype_keeps_every_bit():
     assert kept.dtype == tied_params["embed_tokens"]["embedding"].dtype
 
 
+@pytest.mark.slow  # 29 s; the fast tier's engine-vs-training check: test_tools_check_alignment
 def test_engine_on_its_layout_samples_what_one_device_samples():
     """Whole samples (tokens and their log-probs, at temperature 0.7) of qwen3-moe-tiny in w4a16: the
     engine on 8 devices with the experts split 4 ways == the engine on one device. (Replicated and

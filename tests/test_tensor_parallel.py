@@ -55,7 +55,9 @@ def _blocks(x, w, t: int, **options):
     return np.asarray(jax.jit(fn)(x, w))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(  # 4-9 s each: the fast tier keeps w4a16 (the default format)
+    "fmt", [f if f == "w4a16" else pytest.param(f, marks=pytest.mark.slow) for f in FORMATS]
+)
 def test_column_blocks_on_one_device_equal_the_split_over_2_4_8_devices_cpu(fmt):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((12, K)), jnp.bfloat16)
@@ -64,7 +66,7 @@ def test_column_blocks_on_one_device_equal_the_split_over_2_4_8_devices_cpu(fmt)
         np.testing.assert_array_equal(_split(x, w, t), _blocks(x, w, t), err_msg=f"{fmt} tensor={t}")
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])  # tpu: 4 s each
 @pytest.mark.parametrize("fmt", ["w4a16", "w8a8"])
 def test_column_blocks_equal_the_split_in_the_pallas_interpreter(backend, fmt):
     rng = np.random.default_rng(1)
@@ -110,6 +112,7 @@ def test_layouts_that_cannot_stay_bitwise_are_refused():
         layout.check_layout(layout.RolloutMesh(data=1, tensor=3), BF16_MOE, 3)
 
 
+@pytest.mark.slow  # 14 s
 def test_decode_step_gathers_activations_never_a_weight():
     """The compiled tensor-parallel decode step (tensor 2 x data 4) all-gathers per layer only
     [slots, width] activations: no all-gather's result has the shape of a whole projection weight,

@@ -1,6 +1,8 @@
 """Our Flax model (Qwen3, Qwen3-MoE, Qwen2, Llama 3) against transformers' PyTorch models loaded from the
 same files."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,9 +26,9 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     model, params, _ = from_pretrained(path, dtype="float32")
-    forward = jax.jit(lambda tokens, *args: model.apply({"params": params}, tokens, *args))
-    decode = jax.jit(lambda *args: model.apply({"params": params}, *args, method="decode"))
-    return hf, model, forward, decode
+    forward = jax.jit(lambda p, *args: model.apply({"params": p}, *args))
+    decode = jax.jit(lambda p, *args: model.apply({"params": p}, *args, method="decode"))
+    return hf, model, functools.partial(forward, params), functools.partial(decode, params)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

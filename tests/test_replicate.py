@@ -18,18 +18,12 @@ COMMITTED = ROOT / "results" / "replication"
 # the verdict's three arms: enough for the whole pipeline (runs, resume, summary, verdict, notebook);
 # the other two arms differ from these only in their overrides, checked without training below
 VERDICT_ARMS = ["bf16", "quantized-rollout", "qarl-tbpo"]
-# the smallest batches that still give each arm rollouts, updates, evals and a verdict to check: the
-# verdict logic and the resume do not depend on the size (the committed studies are the full one)
-TINY = [
-    "data.batch_size=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.max_len=40",
-    "train.num_minibatches=1", "run.eval_prompts=8",
-]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # three arms, each compiling its own step program: minutes beside another worker
 def test_quick_runs_the_verdicts_arms_and_resumes(tmp_path, monkeypatch):
-    argv = ["--quick", "--arms", ",".join(VERDICT_ARMS), "--out", str(tmp_path), *TINY]
+    argv = ["--quick", "--arms", ",".join(VERDICT_ARMS), "--out", str(tmp_path)]
     assert replicate.main(argv) == 0
     result = json.loads((tmp_path / "summary.json").read_text())
     assert list(result["arms"]) == VERDICT_ARMS

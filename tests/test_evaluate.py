@@ -56,13 +56,16 @@ def problems(n: int) -> list[dict]:
     return [source[i] for i in range(n)]
 
 
+ITEMS = 8  # per layout (AIME half as many): every figure and layout is checked at this size
+
+
 def write_benches(where: pathlib.Path) -> list[str]:
-    """24 items per layout; the MATH-500 file also holds two malformed rows."""
-    rows = problems(24)
+    """ITEMS items per layout; the MATH-500 file also holds two malformed rows."""
+    rows = problems(ITEMS)
     rng = np.random.default_rng(0)
     files = {
         "math500": [{"problem": r["prompt"], "answer": r["answer"]} for r in rows],
-        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows[:12]],
+        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows[: ITEMS // 2]],
         "gsm8k": [{"question": r["prompt"], "answer": r["solution"]} for r in rows],
         "arc": [],
     }
@@ -177,9 +180,9 @@ def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     assert row == f"| {variant} | " + " | ".join(cells) + " |"
     # the two malformed rows: counted, named, not evaluated
     math500 = report["benchmarks"]["math500"]
-    assert math500["items"] == 24 and math500["skipped"] == {"missing_field": 1, "bad_json": 1}
+    assert math500["items"] == ITEMS and math500["skipped"] == {"missing_field": 1, "bad_json": 1}
     assert [r.split(": ")[1] for r in math500["skipped_rows"]] == ["missing_field", "bad_json"]
-    assert math500["skipped_rows"][0].split(": ")[0].endswith("math500.jsonl:25")
+    assert math500["skipped_rows"][0].split(": ")[0].endswith(f"math500.jsonl:{ITEMS + 1}")
 
 
 @pytest.mark.slow

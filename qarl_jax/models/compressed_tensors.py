@@ -132,12 +132,19 @@ def _module(name: str) -> str:
 def _host_leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...], wanted: bool):
     """The leaf (a :class:`QuantizedWeight` or an array) at ``path``, one layer of a stacked leaf,
     gathered whole onto this host, or None where not ``wanted`` (collective: every process calls
-    it, in the same order; :func:`host_array`)."""
-    path, index = param_location(config, path)
+    it, in the same order; :func:`host_array`). An unquantized kernel comes [out, in] as stored,
+    transposed on the devices (written without a copy)."""
+    where, index = param_location(config, path)
     node = tree
-    for key in path:
+    for key in where:
         node = node[key]
-    leaf = jax.tree.map(lambda a: host_array(a if index is None else a[index], wanted=wanted), node)
+    transpose = path[-1] == "kernel" and not isinstance(node, QuantizedWeight)
+
+    def gather(a: jax.Array) -> np.ndarray | None:
+        a = a if index is None else a[index]
+        return host_array(jax.numpy.swapaxes(a, -1, -2) if transpose else a, wanted=wanted)
+
+    leaf = jax.tree.map(gather, node)
     return leaf if wanted else None
 
 
@@ -208,8 +215,7 @@ def _tensors(config: TransformerConfig, leaves, scheme: Scheme, groups: dict, ig
                 continue
             if is_kernel:
                 ignore.append(_module(name))
-            arr = _host(one)
-            yield name, arr.T if is_kernel else arr
+            yield name, _host(one)  # a kernel [out, in] already (_host_leaf)
     if config.tie_word_embeddings:
         ignore.append("lm_head")  # transformers' head Linear, sharing the (unquantized) embedding
 

@@ -218,9 +218,12 @@ def host_array(x: Any, *, wanted: bool = True) -> np.ndarray | None:
     split on most, padded to a multiple of their count, replicated across hosts): XLA's own
     collectives move each host's part to the others (ICI / DCN on a pod), and the host then copies
     its devices' distinct pieces into the buffer. So a host holds the tensor once across its devices
-    and, where wanted, once in RAM: on CPU devices, whose memory is host RAM, about twice the
-    tensor. ``multihost_utils.process_allgather``, used before, replicates it on every device: ~7x
-    the tensor in host RAM with 4 CPU devices a process (benchmarks/RESULTS.md, 2026-12-06).
+    (plus the reshard's buffers: XLA moves each device's shard once, then all-gathers across hosts)
+    and, where wanted, once in RAM. On CPU devices, whose memory is host RAM, that measured 2.8x
+    the tensor where wanted (the 64 MiB embedding of benchmarks/host_ram.py, 4 CPU devices a
+    process) and ~1.5x where not; ``multihost_utils.process_allgather``, used before, replicates it
+    on every device: 7-8x (benchmarks/RESULTS.md, 2026-12-06). On an accelerator only the host
+    buffer is host RAM.
     Not taken: each process writing its own rows (a safetensors file is one object, and a bucket
     object cannot be written in parts by several writers)."""
     if not isinstance(x, jax.Array):

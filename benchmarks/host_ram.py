@@ -22,9 +22,11 @@ time, process 0 writes), with ``max_shard_bytes`` = 256 MiB (``--max-shard-mib``
 bound is one layer's leaf plus, on process 0, one safetensors file's worth. Then both exports
 are loaded with ``transformers.AutoModelForCausalLM.from_pretrained`` and a few of their tensors
 compared with the params / the frozen weights dequantized (gathered after the measurements).
-The peak of gathering the largest tensor (the embedding) alone is reported too: on CPU devices the
-gather (``process_allgather``: replicated on every local device) is host RAM, on an accelerator it
-is device memory, so it is the CPU stand-in's floor, not the export's.
+The peak of gathering the largest tensor (the embedding) alone is reported too: ``host_array``
+holds it once across the host's devices and once in RAM, and on CPU devices both are host RAM
+(on an accelerator the first is device memory), so about twice the tensor is the CPU stand-in's
+floor. Before each measurement the process returns its freed heap to the system
+(``malloc_trim``), so that memory an earlier step freed does not hide a peak.
 
 The package measured is the one ``PYTHONPATH`` puts first (run it with another checkout's root on
 ``PYTHONPATH`` to measure that one's loader).
@@ -33,6 +35,8 @@ The package measured is the one ``PYTHONPATH`` puts first (run it with another c
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import pathlib
@@ -78,7 +82,10 @@ CHECKED_QUANTIZED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.15.
 
 
 def peak(fn):
-    """``fn()`` and the peak RSS it added (bytes): the peak is reset first (``clear_refs``)."""
+    """``fn()`` and the peak RSS it added (bytes): freed heap returned first (``malloc_trim``, the
+    module docstring), then the peak reset (``clear_refs``)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     pathlib.Path("/proc/self/clear_refs").write_text("5")
     base = status("VmRSS")
     out = fn()

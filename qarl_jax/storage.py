@@ -87,6 +87,16 @@ def upload_tree(local: str, remote: epath.Path) -> None:
             epath.Path(source).copy(target, overwrite=True)
 
 
+def download_tree(remote: epath.Path, local: epath.Path) -> None:
+    """Copy every object under ``remote`` (a bucket directory) to the local directory ``local``,
+    keeping relative paths (:func:`upload_tree`'s inverse)."""
+    fs, root = fsspec.core.url_to_fs(os.fspath(remote))
+    for key in fs.find(root):
+        target = local / os.path.relpath(key, root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(key, os.fspath(target))
+
+
 def move(source: epath.Path, target: epath.Path) -> None:
     """Move a file or a directory tree to ``target``. In a bucket object by object through gcsfs
     (copy, then delete): a bucket has no folders, and epath's ``rename`` refuses a target whose

@@ -89,7 +89,7 @@ def product_of(term: str) -> int:
         ({"source": "jsonl"}, "path"),
         ({"source": "tfds"}, "tfds_name"),
         ({"source": "tfds", "tfds_name": "gsm8k_local"}, "path"),
-        ({"source": "tfds", "tfds_name": "gsm8k", "tfds_data_dir": "gs://b/tfds"}, "tfds_data_dir"),
+        ({"source": "tfds", "tfds_name": "gsm8k", "tfds_data_dir": "s3://b/tfds"}, "tfds_data_dir"),
         ({"answer_format": "latex"}, "answer_format"),
         ({"prompt_key": ""}, "prompt_key"),
         ({"synthetic": SyntheticConfig(digits=2)}, None),

@@ -126,3 +126,59 @@ def test_process_0_prepares_first_the_others_after_the_barrier(
             "gsm8k_local", "test", str(tmp_path / "own"), "question", "answer", "gsm8k", str(tmp_path / "src")
         )
         assert len(own) == 1319 and files(tmp_path / "own")
+
+
+def test_a_bucket_data_dir_is_prepared_once_and_read_from_each_hosts_disk(
+    gsm8k_dir, gcs_bucket, tmp_path, monkeypatch
+):
+    """``tfds_data_dir=gs://...`` on two hosts, seen from each in turn (JAX's process index and
+    count and its barrier stood in for; TFDS and the GCS API server real): process 0 prepares into
+    its own disk's mirror and uploads the prepared copy before the barrier; process 1, another
+    host's disk, prepares nothing and reads the copy it downloads after the barrier; a later run on
+    a fresh host prepares nothing either."""
+    import fsspec
+    import jax
+    import tensorflow_datasets as tfds
+    from jax.experimental import multihost_utils
+
+    from qarl_jax.data.tfds_source import INFO, PREPARED_BARRIER, local_mirror, tfds_source
+
+    events: list[str] = []
+    real_prepare = tfds.core.DatasetBuilder.download_and_prepare
+
+    def prepare(builder, *args, **kwargs):
+        events.append("download_and_prepare")
+        return real_prepare(builder, *args, **kwargs)
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", prepare)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: events.append(name))
+    (tmp_path / "src").mkdir()  # the test split alone: a quick prepare
+    (tmp_path / "src" / "test.jsonl").write_bytes((gsm8k_dir / "test.jsonl").read_bytes())
+    data_dir = f"{gcs_bucket}/tfds-{tmp_path.name}"
+    questions = {json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").open()}
+
+    def host(process: int, disk: str):
+        events.clear()
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        monkeypatch.setattr(tfds.core.constants, "DATA_DIR", str(tmp_path / disk))
+        source = tfds_source(
+            "gsm8k_local", "test", data_dir, "question", "answer", "gsm8k", str(tmp_path / "src")
+        )
+        assert len(source) == 1319 and {source[i]["prompt"] for i in range(1319)} == questions
+        assert str(local_mirror(data_dir)).startswith(str(tmp_path / disk))
+        return list(events)
+
+    assert host(0, "host0") == ["download_and_prepare", PREPARED_BARRIER]
+    bucket, prefix = fsspec.core.url_to_fs(data_dir)
+    uploaded = sorted(key.rsplit("/", 1)[-1] for key in bucket.find(prefix))
+    assert INFO in uploaded and any(".array_record-" in n for n in uploaded)
+    assert host(1, "host1") == [PREPARED_BARRIER]  # no prepare: the bucket's copy, downloaded
+
+    def dataset(disk: str) -> dict:
+        root = tmp_path / disk / "gs" / data_dir.removeprefix("gs://") / "gsm8k_local"
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    assert host(0, "fresh") == [PREPARED_BARRIER]  # a later run's process 0: the bucket has it
+    assert len(dataset("host0")) == len(uploaded)
+    assert dataset("host1") == dataset("host0") and dataset("fresh") == dataset("host0")

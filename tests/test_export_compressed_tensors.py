@@ -3,6 +3,11 @@
 re-imported as a starting policy that freezes to the same bits."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +22,7 @@ from kernels_pallas.formats import QuantizedWeight, dequantize, int_values
 from qarl_jax.data import build_arithmetic_tokenizer
 from qarl_jax.errors import CheckpointError, ConfigError
 from qarl_jax.main import main
-from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset
+from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, init_params, preset, save_pretrained
 from qarl_jax.models.compressed_tensors import master, pack_int32, save_compressed, unpack_int32
 from qarl_jax.models.hf_io import param_location, tensor_layout
 from qarl_jax.quant import QuantSpec, aqt
@@ -168,6 +173,63 @@ def test_scanned_layers_export_the_same_bytes(exports, tmp_path):
     save_compressed(tmp_path, model.config, freeze(params, spec, model), spec, tokenizer)
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+
+
+# one of two hosts: the checkpoint loaded scanned, fsdp over both hosts' devices (each holds half
+# of every leaf), then both exports (collective: every process gathers, process 0 writes)
+_HOST = textwrap.dedent(
+    """
+    import sys
+    import jax
+    coordinator, process, src, out = sys.argv[1:]
+    jax.distributed.initialize(coordinator, 2, int(process))
+    from qarl_jax import sharding
+    from qarl_jax.models import Qwen3ForCausalLM, from_pretrained, save_pretrained
+    from qarl_jax.models.compressed_tensors import save_compressed
+    from qarl_jax.models.hf_io import load_config
+    from qarl_jax.quant import QuantSpec
+    from qarl_jax.rollout.layout import freeze
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=jax.device_count()))
+    shardings = sharding.param_shardings(Qwen3ForCausalLM(load_config(src, scan_layers=True)), mesh)
+    model, params, tokenizer = from_pretrained(src, shardings=shardings, scan_layers=True)
+    assert not params["embed_tokens"]["embedding"].is_fully_addressable  # each host holds half
+    spec = QuantSpec(fmt="w4a16")
+    save_compressed(out + "/ct", model.config, freeze(params, spec, model), spec, tokenizer, 1 << 16)
+    save_pretrained(out + "/hf", model.config, params, tokenizer, 1 << 16)
+    """
+)
+
+
+@pytest.mark.slow  # two processes: ~25 s of CPU (the one that waits spins in gloo's collectives)
+def test_two_hosts_export_the_bytes_one_host_does(exports, tmp_path):
+    """Two processes (two hosts of two CPU devices, the weights split across them) write both
+    exports byte for byte as one process does: every tensor gathered whole, in order, by process 0
+    (:func:`qarl_jax.models.safetensors_io.host_array`), the 64 KiB files cut in the same places."""
+    _, spec, _, _, src = exports[("moe", "w4a16")]
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    argv = [sys.executable, "-c", _HOST, f"localhost:{port}"]
+    hosts = [
+        subprocess.Popen([*argv, str(i), str(src), str(tmp_path / "two")], env=env, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    errors = [p.communicate(timeout=300)[1].decode() for p in hosts]
+    for p, err in zip(hosts, errors, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    model, params, tokenizer = from_pretrained(src, scan_layers=True)
+    save_compressed(
+        tmp_path / "one" / "ct", model.config, freeze(params, spec, model), spec, tokenizer, 1 << 16
+    )
+    save_pretrained(tmp_path / "one" / "hf", model.config, params, tokenizer, 1 << 16)
+    files = sorted(f.relative_to(tmp_path / "one") for f in (tmp_path / "one").rglob("*") if f.is_file())
+    assert len(files) > 10  # sharded: several safetensors files each and their indexes
+    assert files == sorted(
+        f.relative_to(tmp_path / "two") for f in (tmp_path / "two").rglob("*") if f.is_file()
+    )
+    for f in files:
+        assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
 
 
 @pytest.mark.parametrize("fmt", ["w4a16", "w8a8", "fp8"])

@@ -29,13 +29,6 @@ def _check_int(value: object, field: str, minimum: int) -> None:
     _check(ok, field, f"must be an integer >= {minimum}, got {value!r}")
 
 
-TFDS_LOCAL = (
-    "must be a local directory: TFDS's array_record files are written and read as local files (the "
-    "pip build of array_record has no gs://); on a pod a shared disk, or each host's own (process 0 "
-    "prepares first; each other host then reuses the shared copy or prepares its own)"
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class SyntheticConfig:
     """Multi-step integer arithmetic: ``steps`` operations on operands of up to ``digits`` digits.
@@ -121,7 +114,11 @@ class DataConfig:
             _check(bool(self.path), "path", "source='jsonl' needs the path of a JSONL file")
         if self.source == "tfds":
             _check(bool(self.tfds_name), "tfds_name", "source='tfds' needs a TFDS dataset name")
-            remote = str(self.tfds_data_dir or "").startswith("gs://")
-            _check(not remote, "tfds_data_dir", TFDS_LOCAL)
+            where = str(self.tfds_data_dir or "")
+            _check(
+                "://" not in where or where.startswith("gs://"),
+                "tfds_data_dir",
+                f"must be a local directory or gs://BUCKET/..., got {where!r}",
+            )
             if self.tfds_name == "gsm8k_local":
                 _check(bool(self.path), "path", "tfds_name='gsm8k_local' needs the folder of GSM8K files")

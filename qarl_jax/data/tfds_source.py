@@ -5,18 +5,27 @@ configured. TFDS's stock ``gsm8k`` builder downloads four files, one of which (`
 the shared data folder lacks; :class:`Gsm8kLocal` keeps its features and example generator but
 prepares whichever splits the local folder has, with no network.
 
-On a pod the dataset is prepared once per run (:func:`prepare_once`): process 0 runs TFDS's
-``download_and_prepare`` while the others wait at a JAX barrier; then each other host opens it,
-reusing the prepared copy where ``data_dir`` is a shared disk (TFDS finds it prepared and writes
-nothing: no race) or preparing its own where ``data_dir`` is the host's own disk. ``data_dir`` is
-local (array_record, TFDS's random-access format, reads and writes local files only: a ``gs://``
-one is refused by :class:`~qarl_jax.data.DataConfig`); the folder of GSM8K files of
-``gsm8k_local`` may be ``gs://``.
+On a pod the dataset is prepared once per run: process 0 runs TFDS's ``download_and_prepare``
+while the others wait at a JAX barrier (:func:`prepare_once`). ``data_dir`` may be:
+
+- a local directory: each other host then opens it after the barrier, reusing the prepared copy
+  where it is a shared disk (TFDS finds it prepared and writes nothing: no race) or preparing its
+  own where it is the host's own disk;
+- ``gs://BUCKET/...`` (:func:`open_from_bucket`): array_record, TFDS's random-access format, reads
+  and writes local files only (its pip build has no ``gs://``), so TFDS works on a local mirror of
+  the bucket's directory (under TFDS's local data dir, ``$TFDS_DATA_DIR``). Process 0 prepares
+  into its mirror, unless the bucket holds the dataset already, and uploads the prepared version
+  directory (``dataset_info.json`` last: the bucket's copy is complete once it is there); after
+  the barrier every host downloads that one copy into its own mirror, unless there already, and
+  reads it from its disk. The data is prepared once for the whole pod and for every later run.
+
+The folder of GSM8K files of ``gsm8k_local`` may be ``gs://`` too.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,10 +34,11 @@ from etils import epath
 from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
 
 from qarl_jax.data.records import AnswerFormat, Record, Rejected, make_record
-from qarl_jax.storage import parse
+from qarl_jax.storage import download_tree, is_remote, parse
 
 T = TypeVar("T")
 PREPARED_BARRIER = "qarl_jax: TFDS dataset prepared"
+INFO = "dataset_info.json"  # TFDS writes it when a dataset is prepared; uploaded last to a bucket
 
 GSM8K_SPLITS = ("train", "test", "train_socratic", "test_socratic")
 
@@ -132,17 +142,68 @@ def tfds_source(
     answer_format: AnswerFormat,
     gsm8k_dir: str | None = None,
 ) -> TfdsSource:
-    """``tfds.data_source(name, split)``, process 0 preparing first (:func:`prepare_once`);
-    ``name="gsm8k_local"`` prepares from ``gsm8k_dir`` (local or ``gs://``) first."""
+    """``tfds.data_source(name, split)``, process 0 preparing first (:func:`prepare_once`, or
+    :func:`open_from_bucket` for a ``gs://`` ``data_dir``); ``name="gsm8k_local"`` prepares from
+    ``gsm8k_dir`` (local or ``gs://``) first."""
     if data_dir is not None:
         data_dir = os.fspath(parse(data_dir, "data.tfds_data_dir"))  # another scheme: one line
     if name == "gsm8k_local" and gsm8k_dir is None:
         raise ValueError("path: tfds_name='gsm8k_local' needs the folder of GSM8K files")
 
-    def prepare() -> Any:
+    def prepare(local_dir: str | None) -> None:
         if name == "gsm8k_local":
-            prepare_gsm8k_local(gsm8k_dir, data_dir or tfds.core.constants.DATA_DIR)  # type: ignore[arg-type]
-        return tfds.data_source(name, split=split, data_dir=data_dir)
+            prepare_gsm8k_local(gsm8k_dir, local_dir or tfds.core.constants.DATA_DIR)  # type: ignore[arg-type]
+        else:
+            tfds.builder(name, data_dir=local_dir).download_and_prepare()
 
-    data = prepare_once(prepare)
+    def open_(local_dir: str | None) -> Any:
+        return tfds.data_source(name, split=split, data_dir=local_dir)
+
+    def prepare_and_open() -> Any:
+        prepare(data_dir)
+        return open_(data_dir)
+
+    if data_dir is not None and is_remote(data_dir):
+        data = open_from_bucket(name, data_dir, prepare, open_)
+    else:
+        data = prepare_once(prepare_and_open)
     return TfdsSource(data, name, split, prompt_key, answer_key, answer_format)
+
+
+def local_mirror(bucket_dir: str) -> epath.Path:
+    """Where this host keeps its copy of the bucket directory ``bucket_dir`` (``gs://B/P``):
+    ``$TFDS_DATA_DIR/gs/B/P`` (TFDS's local data dir, ``~/tensorflow_datasets`` by default)."""
+    return epath.Path(tfds.core.constants.DATA_DIR).expanduser() / "gs" / bucket_dir.removeprefix("gs://")
+
+
+def open_from_bucket(
+    name: str, bucket_dir: str, prepare: Callable[[str], None], open_: Callable[[str], T]
+) -> T:
+    """The dataset ``name`` of the bucket directory ``bucket_dir``, read from this host's
+    :func:`local_mirror` (module docstring): process 0 runs ``prepare(mirror)`` and uploads the
+    prepared version directory unless the bucket holds it, the others wait for it at the barrier,
+    then every host downloads it unless its mirror has it and returns ``open_(mirror)``."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    mirror = local_mirror(bucket_dir)
+    version = os.path.relpath(tfds.builder(name, data_dir=os.fspath(mirror)).data_dir, mirror)
+    remote, local = epath.Path(bucket_dir) / version, mirror / version
+    if jax.process_index() == 0 and not (remote / INFO).exists():
+        if not (local / INFO).exists():
+            prepare(os.fspath(mirror))
+        files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
+        for f in sorted(files, key=lambda f: f == INFO):  # dataset_info.json last: then complete
+            (remote / f).parent.mkdir(parents=True, exist_ok=True)
+            (local / f).copy(remote / f, overwrite=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(PREPARED_BARRIER)
+    if not (local / INFO).exists():
+        if not (remote / INFO).exists():
+            raise FileNotFoundError(f"{remote}: no prepared {name} dataset (process 0 prepares it)")
+        part = local.with_name(local.name + ".part")  # renamed when whole: a mirror is complete
+        if part.exists():
+            shutil.rmtree(part)
+        download_tree(remote, part)
+        part.rename(local)
+    return open_(os.fspath(mirror))

@@ -129,14 +129,23 @@ def _module(name: str) -> str:
     return name.removesuffix(".weight")
 
 
-def _host_leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...]):
+def _host_leaf(tree: dict, config: TransformerConfig, path: tuple[str, ...], wanted: bool):
     """The leaf (a :class:`QuantizedWeight` or an array) at ``path``, one layer of a stacked leaf,
-    gathered whole onto this host (collective: every process calls it, in the same order)."""
-    path, index = param_location(config, path)
+    gathered whole onto this host, or None where not ``wanted`` (collective: every process calls
+    it, in the same order; :func:`host_array`). An unquantized kernel comes [out, in] as stored,
+    transposed on the devices (written without a copy)."""
+    where, index = param_location(config, path)
     node = tree
-    for key in path:
+    for key in where:
         node = node[key]
-    return jax.tree.map(lambda a: host_array(a if index is None else a[index]), node)
+    transpose = path[-1] == "kernel" and not isinstance(node, QuantizedWeight)
+
+    def gather(a: jax.Array) -> np.ndarray | None:
+        a = a if index is None else a[index]
+        return host_array(jax.numpy.swapaxes(a, -1, -2) if transpose else a, wanted=wanted)
+
+    leaf = jax.tree.map(gather, node)
+    return leaf if wanted else None
 
 
 def _host(x) -> np.ndarray:
@@ -184,11 +193,11 @@ def _group_key(w: QuantizedWeight) -> tuple[str, int | None]:
     return ("channel", None) if WEIGHT_BITS[w.fmt] == 8 else ("group", w.group_size)
 
 
-def _host_leaves(config: TransformerConfig, frozen: dict):
+def _host_leaves(config: TransformerConfig, frozen: dict, wanted: bool = True):
     """(param path, HF name(s), host leaf) in :func:`tensor_layout` order, one leaf (one layer of a
-    stacked leaf) gathered at a time (collective)."""
+    stacked leaf) gathered at a time (collective; the leaf None where not ``wanted``)."""
     for path, names, _ in tensor_layout(config):
-        yield path, names, _host_leaf(frozen, config, path)
+        yield path, names, _host_leaf(frozen, config, path, wanted)
 
 
 def _tensors(config: TransformerConfig, leaves, scheme: Scheme, groups: dict, ignore: list[str]):
@@ -206,8 +215,7 @@ def _tensors(config: TransformerConfig, leaves, scheme: Scheme, groups: dict, ig
                 continue
             if is_kernel:
                 ignore.append(_module(name))
-            arr = _host(one)
-            yield name, arr.T if is_kernel else arr
+            yield name, _host(one)  # a kernel [out, in] already (_host_leaf)
     if config.tie_word_embeddings:
         ignore.append("lm_head")  # transformers' head Linear, sharing the (unquantized) embedding
 
@@ -259,21 +267,24 @@ def save_compressed(
     if given.
 
     With several processes every process calls it (collective) with the global arrays: each leaf,
-    and each layer of a stacked leaf, is gathered whole onto every host one at a time
-    (:func:`host_array`), and process 0 alone converts and writes. **Host peak** beyond the run's
-    own: one layer's frozen leaf (all experts of an MoE projection; int8 / fp8 values, packed int4,
-    f32 scales) and its converted tensors, plus, on process 0, one safetensors file's worth
-    (``max_shard_bytes``, or one larger tensor; a ``gs://`` file twice: its serialised bytes too):
-    :func:`write_safetensors` streams. Never the whole model on a host."""
+    and each layer of a stacked leaf, is gathered one at a time (:func:`host_array`), and process 0
+    alone converts and writes. **Host peak** beyond the run's own: the frozen leaf being gathered
+    (one layer's, all experts of an MoE projection; int8 / fp8 values, packed int4, f32 scales) once
+    in RAM on process 0 and once across each host's devices (host RAM too on CPU devices), with its
+    converted tensors on process 0, plus there one safetensors file's worth (``max_shard_bytes``, or
+    one larger tensor; a ``gs://`` file twice: its serialised bytes too): :func:`write_safetensors`
+    streams. Never the whole model on a host: measured on two hosts of CPU devices (w4a16, 256 MiB
+    files), 0.55-0.61x the f32 model on process 0 and 0.11-0.23x on the other
+    (``benchmarks/host_ram.py --export``, benchmarks/RESULTS.md)."""
     scheme = check_exportable(spec)
     is_quantized = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     if not any(is_quantized(x) for x in jax.tree.leaves(frozen, is_leaf=is_quantized)):
         raise ConfigError(f"{spec}: the frozen weights hold no {spec.fmt} projection (nothing to export)")
-    leaves = _host_leaves(config, frozen)
     if jax.process_index() != 0:
-        for _ in leaves:  # the gathers are collective: take part, write nothing
+        for _ in _host_leaves(config, frozen, wanted=False):  # collective: take part, write nothing
             pass
         return
+    leaves = _host_leaves(config, frozen)
     groups: dict[tuple[str, int | None], list[str]] = {}
     ignore: list[str] = []
     write_safetensors(ckpt, _tensors(config, leaves, scheme, groups, ignore), max_shard_bytes)

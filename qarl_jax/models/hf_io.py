@@ -315,24 +315,35 @@ def save_pretrained(
     index past ``max_shard_bytes``), plus config.json and tokenizer.json if given.
 
     With several processes every process calls it (collective) with the global arrays: each leaf,
-    and each layer of a stacked leaf, is gathered one at a time, and process 0 alone writes, so a
-    host holds at most one safetensors file's worth (``max_shard_bytes``; a remote file twice, its
-    serialised bytes too) plus one layer's leaf (:func:`write_safetensors` streams)."""
+    and each layer of a stacked leaf, is gathered one at a time (:func:`host_array`), and process 0
+    alone writes. **Host peak** beyond the run's own: the tensor being gathered (one layer's leaf,
+    all experts of an MoE projection) once in RAM on process 0 and once across each host's devices
+    (host RAM too on CPU devices), plus, on process 0, one safetensors file's worth
+    (``max_shard_bytes``, or one larger tensor; a ``gs://`` file twice, its serialised bytes too):
+    :func:`write_safetensors` streams. Never the whole model on a host: measured on two hosts of
+    CPU devices, 256 MiB files, 0.57-0.59x the f32 model on process 0 and 0.27-0.29x on the other
+    (``benchmarks/host_ram.py --export``, benchmarks/RESULTS.md)."""
     ckpt = as_path(ckpt)
     primary = jax.process_index() == 0
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for path, names, _ in tensor_layout(config):
-            path, index = param_location(config, path)
-            node = params
-            for key in path:
+            where, index = param_location(config, path)
+            node: Any = params
+            for key in where:
                 node = node[key]
-            arr = host_array(node if index is None else node[index])  # one layer of a stack
+            leaf = node if index is None else node[index]  # one layer of a stack
+            if is_kernel(path):  # [out, in] as stored, transposed on the devices: written without a copy
+                leaf = jnp.swapaxes(leaf, -1, -2)
+            arr = host_array(leaf, wanted=primary)
+            if arr is None:
+                continue
             if isinstance(names, list):
                 for j, name in enumerate(names):
-                    yield name, arr[j].T
+                    yield name, arr[j]
             else:
-                yield names, arr.T if is_kernel(path) else arr
+                yield names, arr
+            del arr  # the writer holds what it has not written yet; the rest goes before the next gather
 
     if not primary:
         for _ in tensors():  # the gathers are collective: take part, write nothing

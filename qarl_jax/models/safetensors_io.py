@@ -21,8 +21,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save, save_file
 
 from qarl_jax.errors import CheckpointError
@@ -200,20 +203,84 @@ def weight_files(ckpt: PathLike) -> dict[str, epath.Path]:
     return files
 
 
-def host_array(x) -> np.ndarray:
-    """``x`` (one tensor: a leaf, one layer of a stacked leaf) whole on this host as NumPy. A global
-    array no process holds whole is all-gathered: collective, every process calls it in the same
-    order. The exports (:func:`qarl_jax.models.hf_io.save_pretrained`,
-    :func:`qarl_jax.models.compressed_tensors.save_compressed`) gather one tensor at a time with it,
-    so no host ever holds the whole model. The gather puts a copy on every local device: in device
-    memory on accelerators; on CPU devices that is host RAM, about 7x the tensor measured on two
-    processes of 4 CPU devices (benchmarks/RESULTS.md, 2026-12-06 host RAM), above the one-tensor
-    bound the exports state for accelerator hosts."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+def host_array(x: Any, *, wanted: bool = True) -> np.ndarray | None:
+    """``x`` (one tensor: a leaf, one layer of a stacked leaf) whole on this host as NumPy, or None
+    where not ``wanted``. Collective for a global array that this host does not hold whole: every
+    process calls it, in the same order, ``wanted`` only where the tensor is used (process 0 of
+    the exports, which writes; the others take part and get None).
 
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
+    The exports (:func:`qarl_jax.models.hf_io.save_pretrained`,
+    :func:`qarl_jax.models.compressed_tensors.save_compressed`) gather one tensor at a time with it,
+    so no host ever holds the whole model. How a tensor reaches a host: where the host's devices
+    hold all of it already (one process; replicated across hosts), each distinct shard is copied
+    once into one NumPy buffer. Otherwise one XLA reshard (``jax.device_put``) first makes it whole
+    on every host's devices exactly once (split over the host's devices on the axis the tensor is
+    split on most, padded to a multiple of their count, replicated across hosts): XLA's own
+    collectives move each host's part to the others (ICI / DCN on a pod), and the host then copies
+    its devices' distinct pieces into the buffer. So a host holds the tensor once across its devices
+    (plus the reshard's buffers: XLA moves each device's shard once, then all-gathers across hosts)
+    and, where wanted, once in RAM. On CPU devices, whose memory is host RAM, that measured 2.8x
+    the tensor where wanted (the 64 MiB embedding of benchmarks/host_ram.py, 4 CPU devices a
+    process) and ~1.5x where not; ``multihost_utils.process_allgather``, used before, replicates it
+    on every device: 7-8x (benchmarks/RESULTS.md, 2026-12-06). On an accelerator only the host
+    buffer is host RAM.
+    Not taken: each process writing its own rows (a safetensors file is one object, and a bucket
+    object cannot be written in parts by several writers)."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x) if wanted else None
+    pieces = _distinct_shards(x)
+    if sum(int(np.prod(a.shape)) for _, a in pieces) == x.size:  # this host holds all of it
+        return _assemble(x.shape, x.dtype, pieces) if wanted else None
+    axis, sharding = _whole_on_each_host(x)
+    pad = -x.shape[axis] % sharding.mesh.shape["local"]
+    if pad:
+        x = jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)])
+    y = jax.device_put(x, sharding)
+    if not wanted:
+        y.block_until_ready()  # no run-ahead: one gathered tensor at a time on the devices
+        return None
+    shape = tuple(n - pad if i == axis else n for i, n in enumerate(y.shape))
+    return _assemble(shape, y.dtype, _distinct_shards(y))
+
+
+def _distinct_shards(x: jax.Array) -> list[tuple[tuple[slice, ...], jax.Array]]:
+    """(index, data) of each distinct shard this host holds of ``x`` (replicas once)."""
+    pieces: dict[tuple, tuple[tuple[slice, ...], jax.Array]] = {}
+    for shard in x.addressable_shards:
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, x.shape, strict=True))
+        pieces.setdefault(tuple((s.start, s.stop) for s in index), (index, shard.data))
+    return list(pieces.values())
+
+
+def _assemble(shape: tuple[int, ...], dtype: Any, pieces: list) -> np.ndarray:
+    """One host buffer of ``shape`` from ``pieces`` (index, data), each clipped to ``shape`` (a
+    padded axis' tail dropped)."""
+    out = np.empty(shape, dtype)
+    for index, data in pieces:
+        clipped = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(index, shape, strict=True))
+        if all(s.start < s.stop for s in clipped):
+            part = np.asarray(data)
+            out[clipped] = part[tuple(slice(0, s.stop - s.start) for s in clipped)]
+    return out
+
+
+def _whole_on_each_host(x: jax.Array) -> tuple[int, NamedSharding]:
+    """(axis, sharding): ``x``'s devices as a (hosts, local) mesh, the tensor split over ``local``
+    on the axis ``x`` is split on most (where the reshard is an all-gather across hosts; another
+    axis made XLA replicate the tensor on every device first, measured) and replicated across
+    ``hosts``. Hosts holding different numbers of ``x``'s devices: one device a row, replicated."""
+    devices: list[Any] = list(x.sharding.device_set)
+    hosts: dict[int, list[Any]] = {}
+    for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        hosts.setdefault(device.process_index, []).append(device)
+    if len({len(ds) for ds in hosts.values()}) == 1:
+        grid = np.array(list(hosts.values()), dtype=object)
+    else:
+        grid = np.array([[d] for ds in hosts.values() for d in ds], dtype=object)
+    split = [n // max(m, 1) for n, m in zip(x.shape, x.sharding.shard_shape(x.shape), strict=True)]
+    axis = max(range(x.ndim), key=lambda i: (split[i], -i))
+    spec = P(*([None] * axis), "local")
+    return axis, NamedSharding(Mesh(grid, ("hosts", "local")), spec)
 
 
 def write_safetensors(

@@ -25,7 +25,13 @@ from qarl_jax.models.safetensors_io import CHUNK_BYTES
 GB = 1e9
 # a host's RAM in GB: v4 (ct4p-hightpu-4t) 407, v5e (ct5lp-hightpu-4t) 192, v5p (ct5p-hightpu-4t)
 # 448, v6e (ct6e-standard-4t) 720; A100 80 GB (a2-ultragpu-8g) 1360, H100 (a3-highgpu-8g) 1872,
-# H200 (a3-ultragpu-8g) 2952
+# H200 (a3-ultragpu-8g) 2952. Checked 2026-12-06: a3-highgpu-8g 208 vCPUs, 1,872 GB
+# (cloud.google.com/compute/docs/accelerator-optimized-machines, "The A3 machine series");
+# ct5lp-hightpu-4t 112 vCPUs, 192 GB (GKE's v5e machine types, cloud.google.com/kubernetes-engine/
+# docs/concepts/tpus#v5e, as listed in Cyclenerd/google-cloud-pricing-cost-calculator#89); a v5e
+# host is 8 chips with 512 GiB and a v6e host 8 chips with 1536 GiB (cloud.google.com/tpu/docs/v5e,
+# /v6e), each split into two 4-chip VMs in a multi-host slice, so 192 and 720 GB a VM are below
+# half a host (275 / 825 GB). Not re-found in a source this time: 720 (ct6e-standard-4t), 2952.
 HOST_RAM_GB = {"v4": 407, "v5e": 192, "v5p": 448, "v6e": 720, "a100": 1360, "h100": 1872, "h200": 2952}
 RUNTIME_GB = 8.0
 

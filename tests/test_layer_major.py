@@ -52,9 +52,9 @@ def test_layer_major_pass_is_the_chunk_major_pass_bit_for_bit(name, fmt, scan):
     with sharding.activate(mesh):
         inputs = tuple(jax.device_put(v, sharding.batch_sharding(mesh, 2)) for v in inputs)
         want = jax.jit(_chunk_major, static_argnums=(0, 3))(model, params, inputs, CHUNKS)
-        got = jax.jit(
-            lambda p, xs: scores_by_chunks(model, p, *xs, 1.0, chunks=CHUNKS, entropy=True)
-        )(params, inputs)
+        got = jax.jit(lambda p, xs: scores_by_chunks(model, p, *xs, 1.0, chunks=CHUNKS, entropy=True))(
+            params, inputs
+        )
     for w, g in zip(want, got, strict=True):
         w, g = np.asarray(w), np.asarray(g)
         assert w.dtype == np.float32 and np.isfinite(w).all()

@@ -27,6 +27,8 @@ from qarl_jax.models.config import TransformerConfig
 from qarl_jax.models.qwen3 import DecoderLayer, Qwen3ForCausalLM, _expert_axis
 from qarl_jax.models.stacking import layer_runs, run_key
 
+GATHER_SCOPE = "gather_weights"  # the name scope of the weights' once-a-pass gathers
+
 
 def split_rows(v: jax.Array, chunks: int) -> jax.Array:
     """[N, ...] -> [chunks, N / chunks, ...], chunk c holding rows c, c + chunks, c + 2 chunks, ...:
@@ -56,7 +58,8 @@ def gathered_layer(c: TransformerConfig, layer_params: dict) -> dict:
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         return lax.with_sharding_constraint(w, experts if "experts" in names else P())
 
-    return jax.tree_util.tree_map_with_path(place, layer_params)
+    with jax.named_scope(GATHER_SCOPE):  # names the gathers in the HLO (tests find them by it)
+        return jax.tree_util.tree_map_with_path(place, layer_params)
 
 
 def hidden(
@@ -74,7 +77,7 @@ def hidden(
     every chunk's activations of every layer at once."""
     c = model.config
     variables = {"params": params}
-    embed = model.apply(variables, tokens, method=lambda m, t: m.embed_tokens(t))  # an exact lookup
+    embed = jnp.asarray(model.apply(variables, tokens, method=lambda m, t: m.embed_tokens(t)))  # a lookup
     x = split_rows(embed, chunks)
     t = tokens.shape[1]
     starts = jnp.arange(t, dtype=jnp.int32)[None, :] - positions.astype(jnp.int32)
@@ -99,4 +102,3 @@ def hidden(
         for i in range(c.num_hidden_layers):
             x = through(i, params[f"layers_{i}"], x)
     return lax.map(lambda xc: model.apply(variables, xc, method=lambda m, h: m.norm(h)), x)
-

@@ -165,7 +165,8 @@ def _gathered_head(model: Qwen3ForCausalLM, params):
         return params
     name = "embed_tokens" if model.config.tie_word_embeddings else "lm_head"
     whole = lambda w: jax.lax.with_sharding_constraint(w, PartitionSpec())  # noqa: E731
-    return {**params, name: jax.tree.map(whole, params[name])}
+    with jax.named_scope(layer_major.GATHER_SCOPE):
+        return {**params, name: jax.tree.map(whole, params[name])}
 
 
 Batch = Mapping[str, jax.Array]

@@ -19,9 +19,10 @@ model's spec (aligned: quantized kernels with a straight-through backward; naive
 Scoring runs in chunks of the update's micro-batch rows, so one chunk's logits and f32 log-softmax
 are alive at a time, not the whole batch's (the memory peak otherwise); every kernel is
 row-invariant, so the chunking changes no bit. The chunks go through the layers layer-major: each
-layer's FSDP weights are gathered once a pass, not once a chunk (``qarl_jax.models.layer_major``). With ``objective.kl_coef`` the state also holds a
-frozen copy of the initial weights, the reference, scored the same way once per rollout batch for
-the loss's KL term; without it there is no copy and no reference scoring.
+layer's FSDP weights are gathered once a pass, not once a chunk (``qarl_jax.models.layer_major``).
+With ``objective.kl_coef`` the state also holds a frozen copy of the initial weights, the
+reference, scored the same way once per rollout batch for the loss's KL term; without it there is
+no copy and no reference scoring.
 
 Metrics, one flat dict per update, all computed on device. Per update: the objective's
 (``loss``, ``policy_loss``, ``clip_frac``, ``band_mask_frac``, ``ratio_*``, ``is_weight_*``,
@@ -362,9 +363,8 @@ class Trainer:
         not once a chunk; the bits of scoring chunk after chunk)."""
         n = batch.num_rows
         chunks = chunks or n // self._score_rows(n)
-        return scores_by_chunks(
-            self.model, params, *batch.forward_inputs(), self.train.temperature, chunks=chunks, entropy=entropy
-        )
+        args = (*batch.forward_inputs(), self.train.temperature)
+        return scores_by_chunks(self.model, params, *args, chunks=chunks, entropy=entropy)
 
     def _batch_metrics_impl(self, batch: RolloutBatch) -> dict:
         """The rollout batch's metrics that need no forward: response lengths, truncation, error tokens."""

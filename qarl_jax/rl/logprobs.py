@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from qarl_jax.models import Qwen3ForCausalLM
+from qarl_jax.models import Qwen3ForCausalLM, layer_major
 from qarl_jax.models.ops import log_softmax, token_logprobs
 
 
@@ -83,6 +83,34 @@ def policy_logprobs_and_entropy(*args, **kwargs) -> tuple[jax.Array, jax.Array]:
     return logp, ent
 
 
+def scores_by_chunks(
+    model: Qwen3ForCausalLM,
+    params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    targets: jax.Array,
+    temperature: float = 1.0,
+    *,
+    chunks: int,
+    entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """:func:`policy_scores` of a batch [N, T] scored in ``chunks`` chunks of rows
+    (:func:`qarl_jax.models.layer_major.split_rows`), forward only: the layers run layer-major
+    (each layer's weights gathered once for all chunks, :mod:`qarl_jax.models.layer_major`), then
+    each chunk's head, one chunk's logits alive at a time. Every row's log-probs (and entropy) are
+    bitwise those of :func:`policy_scores` over its chunk; outputs [N, T] in row order."""
+    m = training_model(model)
+    hidden = layer_major.hidden(m, params, tokens, positions, segment_ids, chunks)
+    head_params = _gathered_head(m, params)  # once, outside the chunk loop
+
+    def one(args):
+        return chunked_head(m, head_params, *args, temperature, entropy=entropy)
+
+    logp, ent = jax.lax.map(one, (hidden, layer_major.split_rows(targets, chunks)))
+    return layer_major.merge_rows(logp), None if ent is None else layer_major.merge_rows(ent)
+
+
 def chunked_head(
     model: Qwen3ForCausalLM,
     params,
@@ -137,7 +165,8 @@ def _gathered_head(model: Qwen3ForCausalLM, params):
         return params
     name = "embed_tokens" if model.config.tie_word_embeddings else "lm_head"
     whole = lambda w: jax.lax.with_sharding_constraint(w, PartitionSpec())  # noqa: E731
-    return {**params, name: jax.tree.map(whole, params[name])}
+    with jax.named_scope(layer_major.GATHER_SCOPE):
+        return {**params, name: jax.tree.map(whole, params[name])}
 
 
 Batch = Mapping[str, jax.Array]

@@ -18,9 +18,11 @@ model's spec (aligned: quantized kernels with a straight-through backward; naive
 
 Scoring runs in chunks of the update's micro-batch rows, so one chunk's logits and f32 log-softmax
 are alive at a time, not the whole batch's (the memory peak otherwise); every kernel is
-row-invariant, so the chunking changes no bit. With ``objective.kl_coef`` the state also holds a
-frozen copy of the initial weights, the reference, scored the same way once per rollout batch for
-the loss's KL term; without it there is no copy and no reference scoring.
+row-invariant, so the chunking changes no bit. The chunks go through the layers layer-major: each
+layer's FSDP weights are gathered once a pass, not once a chunk (``qarl_jax.models.layer_major``).
+With ``objective.kl_coef`` the state also holds a frozen copy of the initial weights, the
+reference, scored the same way once per rollout batch for the loss's KL term; without it there is
+no copy and no reference scoring.
 
 Metrics, one flat dict per update, all computed on device. Per update: the objective's
 (``loss``, ``policy_loss``, ``clip_frac``, ``band_mask_frac``, ``ratio_*``, ``is_weight_*``,
@@ -55,7 +57,7 @@ from qarl_jax import sharding
 from qarl_jax.models import Qwen3ForCausalLM
 from qarl_jax.rl import metrics as rl_metrics
 from qarl_jax.rl.batch import RolloutBatch
-from qarl_jax.rl.logprobs import policy_logprobs, policy_logprobs_and_entropy
+from qarl_jax.rl.logprobs import policy_logprobs, policy_logprobs_and_entropy, scores_by_chunks
 from qarl_jax.rl.objectives import (
     EXTREMA,
     Normalisers,
@@ -354,22 +356,15 @@ class Trainer:
             )
         return rows
 
-    def _chunked(self, score, params, batch: RolloutBatch, chunks: int | None = None):
-        """``score(model, params, tokens, positions, segment_ids, targets, temperature)`` over the
-        batch in ``chunks`` chunks (default: of :meth:`_score_rows` rows), outputs back in row order.
-        Chunk c of C holds rows c, c + C, c + 2C, ...: the rows sit on the devices in contiguous
-        blocks, so every chunk is a slice of each device's own rows (no resharding); one chunk's
-        shape, one compile."""
+    def _scored(self, params, batch: RolloutBatch, chunks: int | None = None, *, entropy: bool = True):
+        """(log-probs, entropy or None) [N, T] of a forward-only pass over the batch in ``chunks``
+        chunks of rows (default: of :meth:`_score_rows` rows), layer-major
+        (:func:`qarl_jax.rl.logprobs.scores_by_chunks`: each layer's weights gathered once a pass,
+        not once a chunk; the bits of scoring chunk after chunk)."""
         n = batch.num_rows
         chunks = chunks or n // self._score_rows(n)
-        split = lambda v: jnp.swapaxes(v.reshape(-1, chunks, *v.shape[1:]), 0, 1)
-        merge = lambda v: jnp.swapaxes(v, 0, 1).reshape(n, *v.shape[2:])
-
-        def one(chunk):
-            return score(self.model, params, *chunk, self.train.temperature)
-
-        out = jax.lax.map(one, tuple(split(v) for v in batch.forward_inputs()))
-        return jax.tree.map(merge, out)
+        args = (*batch.forward_inputs(), self.train.temperature)
+        return scores_by_chunks(self.model, params, *args, chunks=chunks, entropy=entropy)
 
     def _batch_metrics_impl(self, batch: RolloutBatch) -> dict:
         """The rollout batch's metrics that need no forward: response lengths, truncation, error tokens."""
@@ -393,13 +388,13 @@ class Trainer:
     def _old_logprobs_impl(self, params, batch):
         """Old log-probs and the rollout batch's metrics; the metrics over the reassembled batch, so
         they are those of one whole-batch forward, bit for bit."""
-        logp, entropy = self._chunked(policy_logprobs_and_entropy, params, batch)
+        logp, entropy = self._scored(params, batch)
         old = jax.lax.stop_gradient(logp) * batch.mask
         return old, {**self._scored_metrics(logp, entropy, batch), **self._batch_metrics_impl(batch)}
 
     def _behaviour_check_impl(self, frozen, batch):
         chunks = self.train.micro_batches  # the rows of one micro-batch at a time, as an update's
-        logp, entropy = self._chunked(policy_logprobs_and_entropy, frozen, batch, chunks)
+        logp, entropy = self._scored(frozen, batch, chunks)
         return self._scored_metrics(logp, entropy, batch)
 
     def behaviour_check(self, frozen, batch: RolloutBatch) -> dict[str, float]:
@@ -419,7 +414,7 @@ class Trainer:
 
     def _ref_logprobs_impl(self, ref_params, batch):
         # not masked: the loss's exp(ref - logp) stays finite on padding (0 there could overflow)
-        return jax.lax.stop_gradient(self._chunked(policy_logprobs, ref_params, batch))
+        return jax.lax.stop_gradient(self._scored(ref_params, batch, entropy=False)[0])
 
     def old_logprobs(self, params, batch: RolloutBatch) -> jax.Array:
         """Old-policy log-probs [N, T] (0 outside the mask)."""

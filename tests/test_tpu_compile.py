@@ -202,13 +202,10 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     assert set(programs) == {"old_logprobs", "update", "prefill", "decode_step"}
     rollout = set(programs["decode_step"]["mosaic_kernels"]) | set(programs["prefill"]["mosaic_kernels"])
     training = set(programs["update"]["mosaic_kernels"]) | set(programs["old_logprobs"]["mosaic_kernels"])
-    # every kernel of the rollout is a training kernel, attention included, but one: the sampler's
-    # tempered log-softmax (the distribution tokens are drawn from, logits / a per-slot temperature
-    # in f32) where the trainer's logits are bf16 (the MoE cells); the policy log-prob's own
-    # log-sum-exp (bf16 logits) is the trainer's
-    extra = rollout - training
-    assert all(k.startswith("qarl_logsumexp_tpu:") for k in extra), extra
-    assert any(k.startswith("qarl_logsumexp_tpu:") for k in rollout & training)
+    # every kernel of the rollout is a training kernel, attention included, and the sampler's
+    # tempered log-sum-exp (f32 logits / a per-slot temperature) where the trainer's logits are
+    # bf16 (the MoE cells): the TPU kernel reads f32 whatever the logits' dtype
+    assert rollout <= training, rollout - training
     for name, x in programs.items():  # the compiled program's cost and its floor on a v5p chip
         assert x["hbm_bytes"] > 0 and x["flops"] > 0 and x["seconds_floor"] > 0, name
     step = compiled["rl_step_floor"]

@@ -141,8 +141,10 @@ def logsumexp(x: jax.Array, *, block_v: int, interpret: bool = False) -> jax.Arr
     untempered log-sum-exp gets the logits in their own dtype (bf16 where the model computes in
     bf16) and the sampler's tempered one gets ``logits * (1 / t)`` in f32, and with a dtype-keyed
     body those were two Mosaic programs (issue 52); one body means the rollout's log-sum-exp is
-    the training programs' own kernel in every format. The row's arithmetic is the kernel's f32
-    reduction either way, so the bits are those of the bf16 body."""
+    the training programs' own kernel in every format. A row's bits are unchanged: the bf16 body
+    widened each chunk to f32 in VMEM, the same values, then ran this f32 reduction. The cost is
+    an f32 copy of bf16 logits in HBM before the kernel (written once, twice their bytes, and read
+    by the kernel in their place)."""
     if block_v < 1:
         raise ValueError(f"block_v must be positive, got {block_v}")
     x = x.astype(jnp.float32)

@@ -177,6 +177,23 @@ def test_the_v5p_cells_cover_every_format_and_the_families_code():
     assert spec["qwen3-tiny"].qk_norm and not spec["qwen3-tiny"].qkv_bias
 
 
+def test_program_cost_reads_a_relaid_stack_by_the_layer():
+    """A scanned stack of packed int4 weights feeding the Mosaic matmul: XLA:TPU slices each layer
+    out through a nested fusion that re-tiles the stack (``copy_fusion``); a fusion computes only
+    the elements it outputs, so the layer's slice is what it reads, not the whole stack (counted
+    whole, the 8B's w4a16 decode step was 166 GB a step, 44 with the slice)."""
+    one = NamedSharding(Mesh(np.array(topology_devices("v5p:2x2x1")[:1]), ("chip",)), PartitionSpec())
+    layers, k, n = 4, 1024, 1024
+    w = jax.eval_shape(lambda: kp.quantize(jnp.zeros((layers, k, n), jnp.float32), "w4a16", 128))
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), w)
+    x = jax.ShapeDtypeStruct((16, k), jnp.bfloat16, sharding=one)
+    scan = lambda x, w: jax.lax.scan(lambda c, wi: (kp.quantized_matmul(c, wi, backend="tpu"), None), x, w)[0]  # noqa: E731
+    text = jax.jit(scan).lower(x, w).compile().as_text()
+    assert "copy_fusion" in text  # the re-tiling this test is about
+    packed = layers * k * n // 2  # a layer's slice copied (read, written) and read by the kernel: ~3x
+    assert 3 * packed < program_cost(text).hbm_bytes < 4.5 * packed
+
+
 @pytest.mark.parametrize("name, compute, fmt", CELLS)
 def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update

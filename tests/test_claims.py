@@ -69,6 +69,7 @@ CLAIMS: dict[str, list[str] | str] = {
     ],
     "TPU floors of the real run, from the compiler (not timings)": [
         "tests/test_tpu_compile.py::test_program_cost_counts_loop_trips_slices_and_in_place_updates",
+        "tests/test_tpu_compile.py::test_program_cost_reads_a_relaid_stack_by_the_layer",
         "tests/test_tpu_compile.py::test_the_run_compiles_for_a_v5p_slice",
         "tests/test_cost_estimate.py::test_matmul_estimate_is_what_its_blocks_move",
     ],

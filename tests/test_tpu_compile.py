@@ -241,6 +241,23 @@ def _struct(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
+def test_program_cost_reads_a_relaid_stack_by_the_layer():
+    """A scanned stack of packed int4 weights feeding the Mosaic matmul: XLA:TPU slices each layer
+    out through a nested fusion that re-tiles the stack (``copy_fusion``); a fusion computes only
+    the elements it outputs, so the layer's slice is what it reads, not the whole stack (counted
+    whole, the 8B's w4a16 decode step was 166 GB a step, 44 with the slice)."""
+    one = NamedSharding(Mesh(np.array(topology_devices("v5p:2x2x1")[:1]), ("chip",)), PartitionSpec())
+    layers, k, n = 4, 1024, 1024
+    w = jax.eval_shape(lambda: kp.quantize(jnp.zeros((layers, k, n), jnp.float32), "w4a16", 128))
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), w)
+    x = jax.ShapeDtypeStruct((16, k), jnp.bfloat16, sharding=one)
+    scan = lambda x, w: jax.lax.scan(lambda c, wi: (kp.quantized_matmul(c, wi, backend="tpu"), None), x, w)[0]  # noqa: E731
+    text = jax.jit(scan).lower(x, w).compile().as_text()
+    assert "copy_fusion" in text  # the re-tiling this test is about
+    packed = layers * k * n // 2  # a layer's slice copied (read, written) and read by the kernel: ~3x
+    assert 3 * packed < program_cost(text).hbm_bytes < 4.5 * packed
+
+
 @pytest.mark.parametrize("name, compute, fmt", CELLS)
 def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     """memory_plan --topology: every program of the run compiled for v5p chips (the aligned update
@@ -266,13 +283,10 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     assert set(programs) == {"old_logprobs", "update", "prefill", "decode_step"}
     rollout = set(programs["decode_step"]["mosaic_kernels"]) | set(programs["prefill"]["mosaic_kernels"])
     training = set(programs["update"]["mosaic_kernels"]) | set(programs["old_logprobs"]["mosaic_kernels"])
-    # every kernel of the rollout is a training kernel, attention included, but one: the sampler's
-    # tempered log-softmax (the distribution tokens are drawn from, logits / a per-slot temperature
-    # in f32) where the trainer's logits are bf16 (the MoE cells); the policy log-prob's own
-    # log-sum-exp (bf16 logits) is the trainer's
-    extra = rollout - training
-    assert all(k.startswith("qarl_logsumexp_tpu:") for k in extra), extra
-    assert any(k.startswith("qarl_logsumexp_tpu:") for k in rollout & training)
+    # every kernel of the rollout is a training kernel, attention included, and the sampler's
+    # tempered log-sum-exp (f32 logits / a per-slot temperature) where the trainer's logits are
+    # bf16 (the MoE cells): the TPU kernel reads f32 whatever the logits' dtype
+    assert rollout <= training, rollout - training
     for name, x in programs.items():  # the compiled program's cost and its floor on a v5p chip
         assert x["hbm_bytes"] > 0 and x["flops"] > 0 and x["seconds_floor"] > 0, name
     step = compiled["rl_step_floor"]

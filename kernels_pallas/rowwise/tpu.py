@@ -135,9 +135,19 @@ def chunk_width(block_v: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block_v", "interpret"))
 def logsumexp(x: jax.Array, *, block_v: int, interpret: bool = False) -> jax.Array:
-    """log(sum(exp(x))) of x [M, V] -> [M] f32, vocabulary in chunks of ``chunk_width(block_v)``."""
+    """log(sum(exp(x))) of x [M, V] -> [M] f32, vocabulary in chunks of ``chunk_width(block_v)``.
+
+    The kernel reads f32 whatever x's dtype (the conversion, exact, runs before it): the trainer's
+    untempered log-sum-exp gets the logits in their own dtype (bf16 where the model computes in
+    bf16) and the sampler's tempered one gets ``logits * (1 / t)`` in f32, and with a dtype-keyed
+    body those were two Mosaic programs (issue 52); one body means the rollout's log-sum-exp is
+    the training programs' own kernel in every format. A row's bits are unchanged: the bf16 body
+    widened each chunk to f32 in VMEM, the same values, then ran this f32 reduction. The cost is
+    an f32 copy of bf16 logits in HBM before the kernel (written once, twice their bytes, and read
+    by the kernel in their place)."""
     if block_v < 1:
         raise ValueError(f"block_v must be positive, got {block_v}")
+    x = x.astype(jnp.float32)
     bv = chunk_width(block_v)
     m, v = x.shape
     xp = pad_to_block(pad_axis(x, 1, round_up(v, bv), float("-inf")), BLOCK_ROWS)

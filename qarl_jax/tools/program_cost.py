@@ -93,8 +93,9 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # op -> its update operan
 def _use(body, name: str | None, bodies) -> tuple[int, int] | None:
     """(bytes read, bytes written in place) of a fusion body's value ``name`` where the body only
     slices it (``dynamic-slice``, ``slice``) or updates it in place (``dynamic-update-slice``,
-    ``scatter``: the KV cache), directly or through a bitcast or a nested fusion; None where some
-    use reads it whole."""
+    ``scatter``: the KV cache), directly or through a bitcast, a relayout (a copy, or a nested
+    fusion that only copies: per element in a fusion) or a nested fusion; None where some use
+    reads it whole."""
     read = written = 0
     used = False
     for n, s, opcode, r in body:
@@ -108,7 +109,8 @@ def _use(body, name: str | None, bodies) -> tuple[int, int] | None:
         elif opcode in _IN_PLACE and args[0] == name and args.count(name) == 1:
             update = args[_IN_PLACE[opcode]] if len(args) > _IN_PLACE[opcode] else ""
             written += next((array_bytes(x) for m, x, _, _ in body if m == update), 0)
-        elif opcode == "bitcast":
+        elif opcode in ("bitcast", "copy") or (nested and _relayout(bodies.get(nested.group(1), []))):
+            # a relayout in a fused body is per element: what reads its result reads these elements
             inner = _use(body, n, bodies)
             if inner is None:
                 return None
@@ -126,6 +128,13 @@ def _use(body, name: str | None, bodies) -> tuple[int, int] | None:
         else:
             return None
     return (read, written) if used else None
+
+
+def _relayout(fused) -> bool:
+    """A nested fusion that only copies its one operand into another tiling (XLA:TPU's
+    ``copy_fusion`` of a whole stacked weight ahead of a layer's ``dynamic-slice``)."""
+    ops = [op for _, _, op, _ in fused]
+    return ops.count("parameter") == 1 and set(ops) <= {"parameter", "copy", "bitcast"}
 
 
 def _fusion_bytes(shape: str, operand_shapes: list[str], fused, bodies) -> int:

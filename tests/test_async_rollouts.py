@@ -3,16 +3,13 @@ sequential reference metric for metric, the behaviour log-probs stay exact, a SI
 exactly, the waiting batches survive their JSON round trip bit for bit, and bad layouts are one line."""
 
 import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
+import stopped_cli
 
 from qarl_jax.config import load_config
 from qarl_jax.main import main
@@ -66,21 +63,12 @@ def test_overlapped_run_equals_its_sequential_reference(overlapped, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_then_rerun_resumes_exactly(overlapped, tmp_path):
+def test_sigkill_mid_run_then_rerun_resumes_exactly(overlapped, tmp_path, tmp_path_factory):
+    """The CLI run is killed as it starts checkpoint 2's save (checkpoint 1 committed, with the
+    batch rolled out for step 2 waiting in it); the rerun resumes exactly."""
     ref_dir, _ = overlapped
-    cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *ASYNC]
-    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (tmp_path / "checkpoints" / "1" / "commit_success.txt").exists():  # killed after step 1's save
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, (
-        f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    )
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    args = [f"--config={SMOKE}", f"run.output_dir={tmp_path}", *ASYNC]
+    stopped_cli.kill(stopped_cli.start_and_stop(args, 2, tmp_path_factory.mktemp("log") / "stderr"))
     resumed = train(load_config(SMOKE, [f"run.output_dir={tmp_path}", *ASYNC]))
     assert resumed.summary["resumed_from"] >= 1
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)

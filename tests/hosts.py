@@ -15,6 +15,11 @@ from dataclasses import dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
+# the two-host runs' shape, beside configs/loop_smoke.yaml: fsdp over all 4 devices (the weights
+# sharded across the two hosts: the engines all-gather them, both processes write pieces of each
+# checkpoint, the export gathers them). One shape for both modules' runs: their programs are
+# compiled once per session (the compilation cache, tests/conftest.py) and loaded by every later run
+SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
 
 
 def free_port() -> int:

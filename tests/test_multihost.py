@@ -13,7 +13,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hosts import SMOKE, launch, without_time
+from hosts import SHAPE, SMOKE, launch, without_time
 
 from qarl_jax import quant, sharding
 from qarl_jax.config import load_config, to_dict
@@ -25,9 +25,7 @@ from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, eval
 from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
-# fsdp over all 4 devices: the weights are sharded across the two hosts (the engines all-gather
-# them, the checkpoint is written in pieces by both processes, the export gathers them)
-OVERRIDES = ["run.steps=2", "run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
+OVERRIDES = ["run.steps=2", *SHAPE]  # SHAPE ends with mesh.fsdp=4
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from etils import epath
-from hosts import SMOKE, finish, rows, start
+from hosts import SHAPE, SMOKE, finish, rows, start
 
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
@@ -23,9 +23,8 @@ from qarl_jax.run.train import train
 
 # the smallest run that has a step to be preempted after and steps left to resume; no regular
 # checkpoint (checkpoint_every=0): only the preemption's save can resume it; progress lines on
-# stderr are the event the test waits for
-OVERRIDES = ["run.steps=4", "run.eval_prompts=2", "run.checkpoint_every=0", "rollout.max_new_tokens=8"]
-OVERRIDES += ["run.progress=true", "run.log_every=1"]
+# stderr are the event the test waits for; the shape of tests/test_multihost.py's runs (one compile)
+OVERRIDES = ["run.steps=4", *SHAPE, "run.checkpoint_every=0", "run.progress=true", "run.log_every=1"]
 PREEMPTED, HOSTS = 75, 7
 
 
@@ -191,7 +190,8 @@ def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_
     """One process, no jax.distributed: a SIGTERM as step 1's progress line is written stops the
     loop at the end of that step, with checkpoint 1 saved (run.checkpoint_every=0: no other) and
     the one line; the same config again resumes there and finishes."""
-    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0", "run.eval_prompts=2"]
+    # the smoke config's shapes otherwise: the programs the session's other smoke runs compiled
+    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0"]
     config = load_config(SMOKE, [*overrides, "run.progress=true", "run.log_every=1"])
     monkeypatch.setattr(sys, "stderr", SigtermAfter(sys.stderr, "qarl: step 1/3"))
     with pytest.raises(Preempted) as stopped:

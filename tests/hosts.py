@@ -22,6 +22,32 @@ SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
 SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
 
 
+# The child: ``python -m qarl_jax.main`` (runpy), its compiled programs written to the session's
+# compilation cache by every process. Why: JAX writes cache entries from process 0 only, and process
+# 1's own programs (its rollout engine and eval, on its local devices: another device assignment,
+# another cache key) were compiled afresh in every run (~60-90 s each of the pod test's three runs
+# on two loaded cores, process 0 idle meanwhile). What a run computes is unchanged; a JAX without
+# this private hook fails here loudly (AttributeError), to be revisited then.
+CHILD = """
+import runpy, sys
+from jax._src import compiler, distributed
+
+real_write = compiler._cache_write
+
+def write_from_every_process(*args, **kwargs):
+    process_id = distributed.global_state.process_id
+    distributed.global_state.process_id = 0  # the only check on the way to the cache
+    try:
+        real_write(*args, **kwargs)
+    finally:
+        distributed.global_state.process_id = process_id
+
+compiler._cache_write = write_from_every_process
+sys.argv[0] = "qarl_jax.main"
+runpy.run_module("qarl_jax.main", run_name="__main__", alter_sys=True)
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -70,7 +96,7 @@ def start(
     )
     procs = []
     for i, cwd in enumerate(cwds):
-        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *overrides]
+        argv = [sys.executable, "-c", CHILD, "--config", SMOKE, f"run.output_dir={run}", *overrides]
         argv += [*extra, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
         stdout = open(logs / f"{tag}{i}.out", "wb")  # noqa: SIM115 (the child writes it)
         stderr = subprocess.PIPE if watch and i == 0 else open(logs / f"{tag}{i}.err", "wb")  # noqa: SIM115

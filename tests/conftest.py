@@ -111,6 +111,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """The session's reference smoke run (4 steps, checkpoints, HF and compressed-tensors exports),
+    built once and shared by the xdist workers: see tests/smoke_run.py. Read it, never write it."""
+    import smoke_run
+
+    return smoke_run.shared(tmp_path_factory.getbasetemp())
+
+
 GCS_BUCKET = "qarl-tests"
 
 

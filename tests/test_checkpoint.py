@@ -5,15 +5,15 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import smoke_run
+import stopped_cli
 
 from qarl_jax.config import load_config
 from qarl_jax.main import main
@@ -24,11 +24,9 @@ from qarl_jax.run.checkpoint import Checkpointer, CheckpointError
 from qarl_jax.run.train import train
 from qarl_jax.tools import verify_checkpoint
 
-STEPS = 4
-SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
-
-
-# evals every 2 steps: the stopped run's last step (2) then evaluates in both runs
+STEPS = smoke_run.STEPS
+SMOKE = smoke_run.SMOKE
+# evals every 2 steps, as the session's reference run (tests/smoke_run.py) these runs are held to
 COMMON = ["run.eval_every=2"]
 
 
@@ -44,53 +42,36 @@ def metrics_without_timing(run_dir) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted reference run."""
-    out = tmp_path_factory.mktemp("straight")
-    result = train(run_config(out, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))
-    return out, result
-
-
 @pytest.mark.slow
-def test_sigkill_mid_run_then_rerun_resumes_exactly(straight, tmp_path, tmp_path_factory, capfd):
-    """The CLI run is killed mid-run; the rerun resumes exactly, loading the killed run's compiled
-    programs from run.compilation_cache_dir."""
-    ref_dir, ref = straight
+def test_sigkill_mid_run_then_rerun_resumes_exactly(reference_run, tmp_path, tmp_path_factory, capfd):
+    """The CLI run is killed mid-run (frozen as it starts checkpoint 2's save, checkpoint 1
+    committed); the rerun resumes exactly, loading the killed run's compiled programs from
+    run.compilation_cache_dir. The uninterrupted reference: the session's reference run."""
+    ref_dir = reference_run.run
     export, cache = tmp_path / "hf", tmp_path_factory.mktemp("xla")
-    cmd = [sys.executable, "-m", "qarl_jax.main", f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON]
-    cmd += [f"run.steps={STEPS}", "run.checkpoint_every=1", f"--export-hf={export}"]
-    cmd += [f"run.compilation_cache_dir={cache}"]
+    args = ["--config", str(SMOKE), f"run.output_dir={tmp_path}", *COMMON]
+    args += [f"run.steps={STEPS}", "run.checkpoint_every=1", f"--export-hf={export}"]
+    args += [f"run.compilation_cache_dir={cache}"]
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = stopped_cli.start_and_stop(args, 2, tmp_path_factory.mktemp("log") / "stderr", env)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:  # eval line + 2 steps
-            proc.send_signal(signal.SIGSTOP)  # frozen mid-run, its lock held: no race with its end
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, (
-        f"the run ended before it could be stopped: {proc.stderr.read().decode()[-2000:]}"
-    )
     # a second run on the same directory refuses, naming the first, and leaves its metrics alone
     before = metrics.read_text()
     assert main([f"--config={SMOKE}", f"run.output_dir={tmp_path}", *COMMON, f"run.steps={STEPS}"]) == 5
     assert f"in use by another run (pid {proc.pid} on host" in capfd.readouterr().err
     assert metrics.read_text().startswith(before)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    stopped_cli.kill(proc)
     assert list(export.iterdir()) == []  # checked writable (created) before the run; written only at its end
     stored = {f.name for f in cache.iterdir()}
     assert any("update_impl" in name for name in stored), stored  # the step program, at least
+    cmd = [sys.executable, "-m", "qarl_jax.main", *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"taking over the lock of a run that is gone (pid {proc.pid} on host" in done.stderr
     assert json.loads(done.stdout)["resumed_from"] >= 1
     assert metrics_without_timing(tmp_path) == metrics_without_timing(ref_dir)
     _, params, _ = from_pretrained(export)
-    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
+    jax.tree.map(np.testing.assert_array_equal, params, from_pretrained(reference_run.hf)[1])
 
 
 def _state(value: float) -> TrainState:
@@ -121,13 +102,14 @@ def test_incompatible_config_is_refused_naming_the_directory(tmp_path):
         other.restore(_state(0.0))
 
 
-def test_damaged_latest_run_checkpoint_resumes_from_the_previous_one_exactly(straight, tmp_path, capsys):
+def test_damaged_latest_run_checkpoint_resumes_from_the_previous_one_exactly(reference_run, tmp_path, capsys):
     """4 KB zeroed and 24 bytes flipped in a data file of the latest checkpoint: named by
     verify_checkpoint and at resume, and the run redoes the steps since the previous checkpoint:
     the uninterrupted run's metrics, parameters and optimizer state, bit for bit (the in-process
-    resume check: one resume from the reference's own step-2 checkpoint, not a second 2-step run;
-    the CLI one after SIGKILL: test_sigkill_mid_run_then_rerun_resumes_exactly)."""
-    ref_dir, ref = straight
+    resume check: one resume from a copy of the session's reference run, from its own step-2
+    checkpoint, not a second 2-step run; the CLI one after SIGKILL:
+    test_sigkill_mid_run_then_rerun_resumes_exactly)."""
+    ref_dir = reference_run.run
     assert any(m["train/grad_norm"] > 0 for m in metrics_without_timing(ref_dir)[1:])  # it learned
     run = tmp_path / "run"
     shutil.copytree(ref_dir, run)
@@ -145,8 +127,9 @@ def test_damaged_latest_run_checkpoint_resumes_from_the_previous_one_exactly(str
     err = capsys.readouterr().err
     assert f"damaged checkpoint: {run}/checkpoints/4" in err and f"resuming from {run}/checkpoints/2" in err
     assert metrics_without_timing(run) == metrics_without_timing(ref_dir)
-    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, ref.state.params)
-    jax.tree.map(np.testing.assert_array_equal, resumed.state.opt_state, ref.state.opt_state)
+    ref = smoke_run.final_state(reference_run)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, ref.params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.opt_state, ref.opt_state)
     assert verify_checkpoint.main([str(run)]) == 0
 
 
@@ -161,22 +144,22 @@ def test_shape_mismatch_is_an_error(tmp_path):
         Checkpointer(tmp_path, keep=1, config={}).restore(other)
 
 
-def test_a_training_run_or_one_of_its_steps_exports_for_serving(straight, tmp_path):
+def test_a_training_run_or_one_of_its_steps_exports_for_serving(reference_run, tmp_path):
     """``serve --checkpoint RUN`` (or ``RUN/checkpoints/N``) exports the policy first: the newest
     intact checkpoint's weights, as ``--export-hf`` writes them."""
     from qarl_jax import serve
 
-    ref_dir, ref = straight
+    ref_dir = reference_run.run
     assert serve.export_run(*run_checkpoint(ref_dir), tmp_path / "latest") == STEPS
     _, params, tokenizer = from_pretrained(tmp_path / "latest")
-    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(ref.state.params))
+    jax.tree.map(np.testing.assert_array_equal, params, from_pretrained(reference_run.hf)[1])
     assert tokenizer is not None and run_checkpoint(ref_dir / "checkpoints" / "2") == (ref_dir, 2)
 
 
-def test_rerun_of_a_finished_run_says_so_and_shows_its_final_metrics(straight, tmp_path, capsys):
+def test_rerun_of_a_finished_run_says_so_and_shows_its_final_metrics(reference_run, tmp_path, capsys):
     """The same command again after the last step: nothing trains, a line says the run had finished,
     and the summary's ``final`` is the last step's logged metrics (it was ``{}``)."""
-    ref_dir, _ = straight
+    ref_dir = reference_run.run
     run = tmp_path / "run"
     shutil.copytree(ref_dir, run)
     again = train(run_config(run, [f"run.steps={STEPS}", "run.checkpoint_every=2"]))

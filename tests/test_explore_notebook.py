@@ -11,21 +11,17 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from qarl_jax.config import load_config
 from qarl_jax.run.runlog import RunLogError, load_run, load_runs, rolling_mean, summary
-from qarl_jax.run.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "explore_run.ipynb"
-SMOKE = REPO / "configs" / "loop_smoke.yaml"
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> pathlib.Path:
-    """A real run directory: the smoke config for 3 steps, evals at steps 0, 2 and 3."""
-    run_dir = tmp_path_factory.mktemp("runs") / "aligned"
-    train(load_config(SMOKE, [f"run.output_dir={run_dir}", "run.steps=3", "run.eval_every=2"]))
-    return run_dir
+@pytest.fixture
+def smoke_run(reference_run) -> pathlib.Path:
+    """A real run directory named "aligned": the session's reference smoke run (tests/smoke_run.py:
+    4 steps, evals at steps 0, 2 and 4)."""
+    return reference_run.run
 
 
 def write_run(run_dir: pathlib.Path, rows: list[dict], config: dict | None = None) -> pathlib.Path:
@@ -62,10 +58,10 @@ def test_notebook_executes_on_a_smoke_run_and_an_older_one(smoke_run, tmp_path, 
 @pytest.mark.slow
 def test_smoke_run_loads(smoke_run):
     run = load_run(smoke_run)
-    assert run.name == "aligned" and run.config["run"]["steps"] == 3
-    assert run.metrics["step"].tolist() == [1, 2, 3] and run.evals["step"].tolist() == [0, 2, 3]
+    assert run.name == "aligned" and run.config["run"]["steps"] == 4
+    assert run.metrics["step"].tolist() == [1, 2, 3, 4] and run.evals["step"].tolist() == [0, 2, 4]
     steps, acc = run.series("eval/accuracy")
-    assert steps.tolist() == [0, 2, 3] and np.all((acc >= 0) & (acc <= 1))
+    assert steps.tolist() == [0, 2, 4] and np.all((acc >= 0) & (acc <= 1))
     assert np.all(run.series("train/mismatch_max_abs_diff")[1] == 0)
     assert summary(run)["mismatch_max"] == 0 and summary(run)["quant"] == "w4a16 aligned"
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import smoke_run
 
 from qarl_jax.config import load_config, to_dict
 from qarl_jax.main import main
@@ -23,8 +24,9 @@ from qarl_jax.tools.export import export_checkpoint
 SMOKE = str(pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml")
 
 
-def test_main_trains_and_exports(tmp_path, capsys):
-    # an earlier run's logs without a checkpoint are not replaced unless asked
+def test_main_refuses_to_replace_an_earlier_runs_logs_unless_asked(tmp_path, capsys):
+    """An earlier run's logs without a checkpoint are not replaced unless asked (exit 5, before any
+    work); with run.overwrite=true they are: the session's reference run was started that way."""
     (tmp_path / "run" / "tb").mkdir(parents=True)
     (tmp_path / "run" / "tb" / "events.out.tfevents.old").write_text("old")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
@@ -34,35 +36,30 @@ def test_main_trains_and_exports(tmp_path, capsys):
     assert "holds an earlier run (metrics.jsonl, tb) but no checkpoint" in err and "run.overwrite=true" in err
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'
     assert not (tmp_path / "run" / "config.json").exists()
-    export = tmp_path / "hf"
-    argv = [
-        "run.overwrite=true",
-        "--config",
-        SMOKE,
-        f"run.output_dir={tmp_path / 'run'}",
-        "run.steps=1",
-        "--export-hf",
-        str(export),
-        "--export-compressed-tensors",
-        str(tmp_path / "ct"),
-    ]
-    assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["resumed_from"] == 0 and summary["final"]["step"] == 1
+
+
+def test_main_trains_and_exports(reference_run, tmp_path):
+    """The session's reference run (tests/smoke_run.py): ``main`` with run.overwrite=true over an
+    earlier run's logs, --export-hf and --export-compressed-tensors; what it printed and wrote."""
+    run, summary = reference_run.run, reference_run.summary
+    assert summary["resumed_from"] == 0 and summary["final"]["step"] == smoke_run.STEPS
     assert 0.0 <= summary["final"]["eval/accuracy"] <= 1.0
-    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
-    assert not (tmp_path / "run" / "tb" / "events.out.tfevents.old").exists()
-    model, params, tokenizer = from_pretrained(export)
+    assert (run / "checkpoints" / str(smoke_run.STEPS)).is_dir()
+    assert not (run / "tb" / smoke_run.STALE_EVENTS).exists()  # the earlier run's logs replaced
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(smoke_run.STEPS + 1)) and "eval/accuracy" in logged[0]
+    model, params, tokenizer = from_pretrained(reference_run.hf)
     assert tokenizer.get_vocab_size() == model.config.vocab_size == 128
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
     # the deployed w4a16 weights beside it (tests/test_export_compressed_tensors.py: their bits)
-    qconfig = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
-    assert qconfig["format"] == "pack-quantized" and (tmp_path / "ct" / "tokenizer.json").exists()
-    assert jax.tree.structure(from_pretrained(tmp_path / "ct")[1]) == jax.tree.structure(params)
+    ct = reference_run.ct
+    qconfig = json.loads((ct / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == "pack-quantized" and (ct / "tokenizer.json").exists()
+    assert jax.tree.structure(from_pretrained(ct)[1]) == jax.tree.structure(params)
     # the same export, after the run, from its checkpoint: the same bytes
-    assert export_checkpoint(tmp_path / "run" / "checkpoints" / "1", tmp_path / "ct2") == 1
+    assert export_checkpoint(run / "checkpoints" / str(smoke_run.STEPS), tmp_path / "ct2") == smoke_run.STEPS
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
-        assert (tmp_path / "ct2" / name).read_bytes() == (tmp_path / "ct" / name).read_bytes(), name
+        assert (tmp_path / "ct2" / name).read_bytes() == (ct / name).read_bytes(), name
 
 
 def test_main_imports_no_heavy_optional_framework():

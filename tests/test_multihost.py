@@ -9,15 +9,11 @@ single process refuses to resume the two-process run.
 """
 
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from hosts import SHAPE, SMOKE, launch, without_time
 
 from qarl_jax import quant, sharding
 from qarl_jax.config import load_config, to_dict
@@ -29,65 +25,14 @@ from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, eval
 from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
-REPO = pathlib.Path(__file__).parents[1]
-SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
-# fsdp over all 4 devices: the weights are sharded across the two hosts (the engines all-gather
-# them, the checkpoint is written in pieces by both processes, the export gathers them)
-OVERRIDES = ["run.steps=2", "run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def summary(stdout: str) -> dict:
-    """The summary JSON main prints last (gloo's connection notes may precede it)."""
-    return json.JSONDecoder().raw_decode(stdout, stdout.index('{\n  "run_dir"'))[0]
-
-
-def without_time(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "grader/"))}  # host speed
-
-
-def launch(run: pathlib.Path, overrides: list[str], extra: list[str] = ()) -> list[dict]:
-    """The CLI on two processes of two CPU devices each; their printed summaries."""
-    port = free_port()
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        PYTHONUNBUFFERED="1",
-    )
-    procs = []
-    for i in range(2):
-        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *overrides]
-        argv += [*extra, "--coordinator", f"localhost:{port}"]
-        argv += ["--num-processes", "2", "--process-id", str(i)]
-        procs.append(
-            subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        )
-    results = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=300)
-            results.append((p.returncode, stdout.decode(), stderr.decode()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (rc, _, stderr) in enumerate(results):
-        assert rc == 0, f"process {i} exited {rc}:\n{stderr[-3000:]}"
-    return [summary(stdout) for _, stdout, _ in results]
+OVERRIDES = ["run.steps=2", *SHAPE]  # SHAPE ends with mesh.fsdp=4
 
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("multihost")
     run, export = out / "run", out / "hf"
-    return run, export, launch(run, OVERRIDES, ["--export-hf", str(export)])
+    return run, export, launch(run, OVERRIDES, out, ["--export-hf", str(export)])
 
 
 @pytest.mark.slow
@@ -97,7 +42,7 @@ def test_two_processes_with_rollouts_on_devices_of_their_own(tmp_path):
     is checkpointed."""
     run = tmp_path / "run"
     async_ = ["rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2", "run.checkpoint_every=1"]
-    first, second = launch(run, [*OVERRIDES[:-1], *async_])
+    first, second = launch(run, [*OVERRIDES[:-1], *async_], tmp_path)
     assert without_time(first["final"]) == without_time(second["final"])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("rollout/staleness") for m in lines] == [None, 0, 1]

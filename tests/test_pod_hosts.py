@@ -5,17 +5,15 @@ slice detection reads what a TPU VM states (environment variables, the metadata 
 """
 
 import http.server
-import json
 import os
-import pathlib
 import signal
 import socket
-import subprocess
 import sys
 import threading
 
 import pytest
 from etils import epath
+from hosts import SHAPE, SMOKE, finish, rows, start
 
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
@@ -23,65 +21,11 @@ from qarl_jax.run import distributed
 from qarl_jax.run.preemption import Watch
 from qarl_jax.run.train import train
 
-REPO = pathlib.Path(__file__).parents[1]
-SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
-# the smallest run that has a step 3 to be preempted after and steps left to resume; no regular
+# the smallest run that has a step to be preempted after and steps left to resume; no regular
 # checkpoint (checkpoint_every=0): only the preemption's save can resume it; progress lines on
-# stderr are the event the test waits for
-OVERRIDES = ["run.steps=6", "run.eval_prompts=2", "run.checkpoint_every=0", "rollout.max_new_tokens=16"]
-OVERRIDES += ["run.progress=true", "run.log_every=1"]
+# stderr are the event the test waits for; the shape of tests/test_multihost.py's runs (one compile)
+OVERRIDES = ["run.steps=4", *SHAPE, "run.checkpoint_every=0", "run.progress=true", "run.log_every=1"]
 PREEMPTED, HOSTS = 75, 7
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def start(run: str, cwds: list[pathlib.Path], logs: pathlib.Path, tag: str) -> list[subprocess.Popen]:
-    """The CLI on two processes of two CPU devices each, process i in ``cwds[i]``; stdout and
-    stderr to files under ``logs``, but process 0's stderr is a pipe (its progress lines)."""
-    port = free_port()
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    procs = []
-    for i, cwd in enumerate(cwds):
-        argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *OVERRIDES]
-        argv += ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
-        stdout = open(logs / f"{tag}{i}.out", "wb")  # the child writes it
-        stderr = subprocess.PIPE if i == 0 else open(logs / f"{tag}{i}.err", "wb")
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], logs: pathlib.Path, tag: str) -> list[tuple[int, str]]:
-    """Each process's exit code and whole stderr."""
-    results = []
-    try:
-        for i, p in enumerate(procs):
-            err = p.stderr.read().decode() if p.stderr is not None else ""
-            p.wait(timeout=300)
-            if p.stderr is None:
-                err = (logs / f"{tag}{i}.err").read_text()
-            results.append((p.returncode, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
-
-
-def rows(run: pathlib.Path | epath.Path) -> list[dict]:
-    """metrics.jsonl (local or in the bucket) without what depends on the machine's speed."""
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(("time/", "grader/"))} for m in lines]
 
 
 def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
@@ -91,11 +35,11 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
     cwds = [tmp_path / "host0", tmp_path / "host1"]
     for cwd in cwds:
         cwd.mkdir()
-    results = finish(start("runs/pod", cwds, tmp_path, "apart"), tmp_path, "apart")
-    for rc, err in results:
-        assert rc == HOSTS, err[-3000:]
-        assert "Traceback" not in err
-        (line,) = [x for x in err.splitlines() if x.startswith("hosts error:")]
+    done = finish(start("runs/pod", OVERRIDES, tmp_path, "apart", cwds), tmp_path, "apart")
+    for d in done:
+        assert d.rc == HOSTS, d.err[-3000:]
+        assert "Traceback" not in d.err
+        (line,) = [x for x in d.err.splitlines() if x.startswith("hosts error:")]
         assert f"process 1 ({socket.gethostname()}: {cwds[1].resolve() / 'runs' / 'pod'}) cannot read" in line
         assert "set run.output_dir to a directory every host reaches" in line
         assert "gs://BUCKET/RUN" in line
@@ -108,41 +52,41 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
 @pytest.mark.timeout(1200)  # three two-process runs, each compiling on a shared 2-core machine
 def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path, gcs_bucket):
     """The pod case whole: two hosts that share no disk (two empty working directories), the run
-    directory in a bucket (a real GCS API server); SIGTERM to the non-primary host once step 3 is
+    directory in a bucket (a real GCS API server); SIGTERM to the non-primary host once step 1 is
     logged; both stop at one step, saved in the bucket; the same command resumes exactly (metrics
     step by step equal to an uninterrupted run's); nothing is written to either host's disk."""
     uninterrupted = tmp_path / "uninterrupted"
-    results = finish(start(str(uninterrupted), [REPO, REPO], tmp_path, "whole"), tmp_path, "whole")
-    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    done = finish(start(str(uninterrupted), OVERRIDES, tmp_path, "whole"), tmp_path, "whole")
+    assert [d.rc for d in done] == [0, 0], done[0].err[-3000:] + done[1].err[-3000:]
 
     run = epath.Path(f"{gcs_bucket}/pod-{tmp_path.name}")
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for host in hosts:
         host.mkdir()
-    procs = start(str(run), hosts, tmp_path, "cut")
-    for line in procs[0].stderr:  # process 0's progress: SIGTERM to the other host after step 3
-        if line.startswith(b"qarl: step 3/6"):
+    procs = start(str(run), OVERRIDES, tmp_path, "cut", hosts, watch=True)
+    for line in procs[0].stderr:  # process 0's progress: SIGTERM to the other host after step 1
+        if line.startswith(b"qarl: step 1/4"):
             procs[1].send_signal(signal.SIGTERM)
             break
-    results = finish(procs, tmp_path, "cut")
+    done = finish(procs, tmp_path, "cut")
     stopped = []
-    for rc, err in results:
-        assert rc == PREEMPTED, err[-3000:]
-        assert "Traceback" not in err
-        (line,) = [x for x in err.splitlines() if x.startswith("qarl: preempted")]
+    for d in done:
+        assert d.rc == PREEMPTED, d.err[-3000:]
+        assert "Traceback" not in d.err
+        (line,) = [x for x in d.err.splitlines() if x.startswith("qarl: preempted")]
         stopped.append(line)
     assert stopped[0] == stopped[1]  # one step, one checkpoint, one line on both hosts
     step = int(stopped[0].split("after step ")[1].split()[0])
-    assert 3 <= step < 6
+    assert 1 <= step < 4
     assert stopped[0] == (
         f"qarl: preempted: every process stopped after step {step} and saved it in "
         f"{run / 'checkpoints' / str(step)}; run the same command again to resume from there"
     )
     assert [m["step"] for m in rows(run)] == list(range(step + 1))
 
-    results = finish(start(str(run), hosts, tmp_path, "again"), tmp_path, "again")
-    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
-    assert f"resuming from {run / 'checkpoints' / str(step)}" in results[0][1]
+    done = finish(start(str(run), OVERRIDES, tmp_path, "again", hosts), tmp_path, "again")
+    assert [d.rc for d in done] == [0, 0], done[0].err[-3000:] + done[1].err[-3000:]
+    assert f"resuming from {run / 'checkpoints' / str(step)}" in done[0].err
     assert rows(run) == rows(uninterrupted)
     assert [list(host.iterdir()) for host in hosts] == [[], []]  # no local "gs:" folder, nothing
 
@@ -246,7 +190,8 @@ def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_
     """One process, no jax.distributed: a SIGTERM as step 1's progress line is written stops the
     loop at the end of that step, with checkpoint 1 saved (run.checkpoint_every=0: no other) and
     the one line; the same config again resumes there and finishes."""
-    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0", "run.eval_prompts=2"]
+    # the smoke config's shapes otherwise: the programs the session's other smoke runs compiled
+    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0"]
     config = load_config(SMOKE, [*overrides, "run.progress=true", "run.log_every=1"])
     monkeypatch.setattr(sys, "stderr", SigtermAfter(sys.stderr, "qarl: step 1/3"))
     with pytest.raises(Preempted) as stopped:

@@ -1,0 +1,141 @@
+"""Two hosts played by two JAX processes on this machine (two CPU devices each, gloo collectives):
+the launcher tests/test_multihost.py and tests/test_pod_hosts.py share, and the metrics view both
+compare runs by. Imported as a plain module (``import hosts``: pytest puts tests/ on the path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
+# the two-host runs' shape, beside configs/loop_smoke.yaml: fsdp over all 4 devices (the weights
+# sharded across the two hosts: the engines all-gather them, both processes write pieces of each
+# checkpoint, the export gathers them). One shape for both modules' runs: their programs are
+# compiled once per session (the compilation cache, tests/conftest.py) and loaded by every later run
+SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
+
+
+# The child: ``python -m qarl_jax.main`` (runpy), its compiled programs written to the session's
+# compilation cache by every process. Why: JAX writes cache entries from process 0 only, and process
+# 1's own programs (its rollout engine and eval, on its local devices: another device assignment,
+# another cache key) were compiled afresh in every run (~60-90 s each of the pod test's three runs
+# on two loaded cores, process 0 idle meanwhile). What a run computes is unchanged; a JAX without
+# this private hook fails here loudly (AttributeError), to be revisited then.
+CHILD = """
+import runpy, sys
+from jax._src import compiler, distributed
+
+real_write = compiler._cache_write
+
+def write_from_every_process(*args, **kwargs):
+    process_id = distributed.global_state.process_id
+    distributed.global_state.process_id = 0  # the only check on the way to the cache
+    try:
+        real_write(*args, **kwargs)
+    finally:
+        distributed.global_state.process_id = process_id
+
+compiler._cache_write = write_from_every_process
+sys.argv[0] = "qarl_jax.main"
+runpy.run_module("qarl_jax.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def without_time(metrics: dict) -> dict:
+    """A metrics row without what depends on the host's speed (timings, the grader's clock)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "grader/"))}
+
+
+def rows(run) -> list[dict]:
+    """metrics.jsonl of a run directory (a local path or an ``epath`` in a bucket), without timings."""
+    return [without_time(json.loads(line)) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@dataclass
+class Done:
+    """One process's exit code and what it printed."""
+
+    rc: int
+    out: str
+    err: str
+
+
+def start(
+    run: str,
+    overrides: Sequence[str],
+    logs: pathlib.Path,
+    tag: str,
+    cwds: Sequence[pathlib.Path] = (REPO, REPO),
+    extra: Sequence[str] = (),
+    watch: bool = False,
+) -> list[subprocess.Popen]:
+    """``python -m qarl_jax.main`` on two processes, process i in ``cwds[i]``; their stdout and
+    stderr go to files ``logs/{tag}{i}.out|err`` (files, not pipes: a pipe nobody reads while the
+    other process is awaited fills and blocks its writer, and with it both hosts' collectives), but
+    with ``watch`` process 0's stderr is a pipe, to read its progress lines as they come."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = []
+    for i, cwd in enumerate(cwds):
+        argv = [sys.executable, "-c", CHILD, "--config", SMOKE, f"run.output_dir={run}", *overrides]
+        argv += [*extra, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
+        stdout = open(logs / f"{tag}{i}.out", "wb")  # noqa: SIM115 (the child writes it)
+        stderr = subprocess.PIPE if watch and i == 0 else open(logs / f"{tag}{i}.err", "wb")  # noqa: SIM115
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr))
+        stdout.close()
+        if stderr is not subprocess.PIPE:
+            stderr.close()
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], logs: pathlib.Path, tag: str) -> list[Done]:
+    """Wait for the processes of :func:`start`; each one's exit code, stdout and whole stderr."""
+    done = []
+    try:
+        for i, p in enumerate(procs):
+            piped = p.stderr.read().decode() if p.stderr is not None else None
+            p.wait()  # no deadline: a cold compile on a loaded host takes minutes; a hang is pytest-timeout's
+            err = piped if piped is not None else (logs / f"{tag}{i}.err").read_text()
+            done.append(Done(p.returncode, (logs / f"{tag}{i}.out").read_text(), err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stderr is not None:
+                p.stderr.close()
+    return done
+
+
+def summary(stdout: str) -> dict:
+    """The summary JSON main prints last (gloo's connection notes may precede it)."""
+    return json.JSONDecoder().raw_decode(stdout, stdout.index('{\n  "run_dir"'))[0]
+
+
+def launch(
+    run: pathlib.Path, overrides: Sequence[str], logs: pathlib.Path, extra: Sequence[str] = ()
+) -> list[dict]:
+    """Both processes run to the end (exit 0 each); their printed summaries."""
+    done = finish(start(str(run), overrides, logs, "run", extra=extra), logs, "run")
+    for i, d in enumerate(done):
+        assert d.rc == 0, f"process {i} exited {d.rc}:\n{d.err[-3000:]}"
+    return [summary(d.out) for d in done]

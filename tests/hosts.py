@@ -22,31 +22,35 @@ SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
 SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
 
 
-# The child: ``python -m qarl_jax.main`` (runpy), its compiled programs written to the session's
-# compilation cache by every process. Why: JAX writes cache entries from process 0 only, and process
-# 1's own programs (its rollout engine and eval, on its local devices: another device assignment,
+# The child: ``python -m qarl_jax.main`` (runpy), with process 1's OWN programs (its rollout engine
+# and eval, on its local devices) written to the session's compilation cache too. Why: JAX writes
+# cache entries from process 0 only, so process 1's own programs (another device assignment,
 # another cache key) were compiled afresh in every run (~60-90 s each of the pod test's three runs
-# on two loaded cores, process 0 idle meanwhile). What a run computes is unchanged; a JAX without
-# this private hook fails here loudly (AttributeError), to be revisited then.
+# on two loaded cores, process 0 idle meanwhile). Programs over both hosts' devices stay process
+# 0's to write (one key for both processes: two writers of one file would interleave its bytes);
+# no global state is touched (orbax's threads read the process index meanwhile). What a run
+# computes is unchanged; a JAX without these private functions fails here loudly, to be revisited.
 CHILD = """
-import runpy, sys
-from jax._src import compiler, distributed
+import re, runpy, sys
+from jax._src import compilation_cache, compiler, distributed
 
 real_write = compiler._cache_write
 
-def write_from_every_process(*args, **kwargs):
-    process_id = distributed.global_state.process_id
-    distributed.global_state.process_id = 0  # the only check on the way to the cache
-    try:
-        real_write(*args, **kwargs)
-    finally:
-        distributed.global_state.process_id = process_id
+def write_own_programs_too(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+    if distributed.global_state.process_id == 0:
+        return real_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+    header = executable.hlo_modules()[0].to_string().split(chr(10), 1)[0]
+    devices = 1
+    for count in re.findall(r"(?:replica_count|num_partitions)=(\\d+)", header):
+        devices *= int(count)
+    if not host_callbacks and devices <= len(executable.local_devices()):
+        compilation_cache.put_executable_and_time(
+            cache_key, module_name, executable, backend, int(compile_time_secs))
 
-compiler._cache_write = write_from_every_process
+compiler._cache_write = write_own_programs_too
 sys.argv[0] = "qarl_jax.main"
 runpy.run_module("qarl_jax.main", run_name="__main__", alter_sys=True)
 """
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -23,7 +23,7 @@ from kernels_pallas import FORMATS
 from kernels_pallas.attention import attention
 from kernels_pallas.formats import DEFAULT_GROUP_SIZE, WEIGHT_BITS
 from qarl_jax.models import preset
-from qarl_jax.tools import memory_plan
+from qarl_jax.tools import memory_plan, tpu_compile
 from qarl_jax.tools.program_cost import Cost, program_cost
 from qarl_jax.tools.tpu_compile import (
     Program,
@@ -153,6 +153,24 @@ def test_program_cost_counts_loop_trips_slices_and_in_place_updates():
 def test_mosaic_kernels_needs_compiled_tpu_text():
     assert mosaic_kernels("HloModule m\nENTRY e {\n}\n") == []
     assert failure_line(ValueError("first\nsecond")) == "ValueError: first"
+    with pytest.raises(ValueError, match="without a backend_config"):
+        mosaic_kernels('ENTRY e {\n  %k = f32[8] custom-call(), custom_call_target="tpu_custom_call"\n}\n')
+
+
+def test_mosaic_kernels_read_a_backend_config_over_line_breaks(monkeypatch):
+    """The 235B's compiled old-log-prob pass printed a kernel's backend_config with a line break in
+    its cost estimate (a line-by-line read failed there): the JSON object is read from the whole
+    text."""
+    texts = []
+    monkeypatch.setattr(tpu_compile, "mosaic_kernels", lambda text: texts.append(text) or ())
+    _matmul_kernels(16)
+    monkeypatch.undo()
+    (text,) = texts
+    target = 'custom_call_target="tpu_custom_call"'
+    head, tail = text.split(target)
+    # JSON whitespace, a line break, inside the kernel's backend_config
+    broken = head + target + tail.replace("backend_config={", "backend_config={\n  ", 1)
+    assert mosaic_kernels(broken) == mosaic_kernels(text) != []
 
 
 # f32 master weights in all; the dense models compute in f32 (the default run: f32 dots at HIGHEST

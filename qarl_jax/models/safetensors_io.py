@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
 
@@ -26,7 +27,6 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import save, save_file
 
 from qarl_jax.errors import CheckpointError
 from qarl_jax.models.config import TransformerConfig
@@ -283,52 +283,86 @@ def _whole_on_each_host(x: jax.Array) -> tuple[int, NamedSharding]:
     return axis, NamedSharding(Mesh(grid, ("hosts", "local")), spec)
 
 
+# the numpy dtype -> the safetensors dtype name (DTYPES read the other way)
+DTYPE_NAMES: dict[np.dtype, str] = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+class _SpooledFile:
+    """One safetensors file written a tensor at a time. A safetensors file opens with a header that
+    gives every tensor's byte range, so it can only be written once all of its tensors are known;
+    the tensors' bytes go to a local spool file as they come (the host holds one tensor, never the
+    file), then the header is written and the spool copied behind it in ``CHUNK_BYTES`` pieces
+    (to a local file or a ``gs://`` object alike, each streamed)."""
+
+    def __init__(self) -> None:
+        self.spool = tempfile.TemporaryFile()  # noqa: SIM115 (closed by write_to)
+        self.header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.size = 0
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        if arr.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"tensor {name}: dtype {arr.dtype} has no safetensors name")
+        data = np.ascontiguousarray(arr)
+        self.header[name] = {
+            "dtype": DTYPE_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [self.size, self.size + data.nbytes],
+        }
+        self.spool.write(memoryview(data.reshape(-1).view(np.uint8)))
+        self.size += data.nbytes
+
+    def write_to(self, f: epath.Path) -> None:
+        header = json.dumps(self.header, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+        self.spool.seek(0)
+        with f.open("wb") as out:
+            out.write(len(header).to_bytes(8, "little") + header)
+            while piece := self.spool.read(CHUNK_BYTES):
+                out.write(piece)
+        self.spool.close()
+
+
 def write_safetensors(
     ckpt: PathLike, tensors: Iterable[tuple[str, np.ndarray]], max_shard_bytes: int = 2 * 1024**3
 ) -> None:
     """Write named host arrays as ``ckpt``'s safetensors: one file, or shards of at most
     ``max_shard_bytes`` with an index; replaces the directory's old weight files.
 
-    Streams: each shard is written as soon as the next tensor would overflow it (under a temporary
-    name, renamed once the shard count is known), so the writer holds at most one shard's arrays
-    (``max_shard_bytes``, or one larger tensor) plus, for a remote file, its serialised bytes."""
+    Streams: ``tensors`` is consumed one at a time, each tensor's bytes spooled to a local
+    temporary file and dropped (:class:`_SpooledFile`), each shard written (under a temporary name,
+    renamed once the shard count is known) as soon as the next tensor would overflow it. Host
+    memory: the one tensor being added plus a ``CHUNK_BYTES`` copy buffer; local disk: one shard's
+    spool (``max_shard_bytes``, or one larger tensor)."""
     root = as_path(ckpt)
     root.mkdir(parents=True, exist_ok=True)
     for old in list(root.glob("*.safetensors")) + list(root.glob("*.safetensors.part")) + [root / INDEX_FILE]:
         if old.exists():
             old.unlink()
 
-    def write(shard: dict[str, np.ndarray], f: epath.Path) -> None:
-        if _is_local(f):
-            save_file(shard, os.fspath(f), metadata={"format": "pt"})
-        else:
-            f.write_bytes(save(shard, metadata={"format": "pt"}))
-
     written: list[tuple[epath.Path, list[str], int]] = []  # (temporary file, names, bytes) a shard
-    shard: dict[str, np.ndarray] = {}
-    size = 0
+    shard, names = _SpooledFile(), []
 
     def flush() -> None:
         part = root / f"shard-{len(written) + 1:05d}.safetensors.part"
-        write(shard, part)
-        written.append((part, list(shard), size))
+        shard.write_to(part)
+        written.append((part, names, shard.size))
 
     for name, arr in tensors:
-        if size and size + arr.nbytes > max_shard_bytes:
+        if shard.size and shard.size + arr.nbytes > max_shard_bytes:
             flush()
-            shard, size = {}, 0
-        shard[name] = np.ascontiguousarray(arr)
-        size += arr.nbytes
+            shard, names = _SpooledFile(), []
+        shard.add(name, arr)
+        names.append(name)
+        del arr
     flush()
-    shard = {}
     if len(written) == 1:
         move(written[0][0], root / SINGLE_FILE)
         return
     weight_map = {}
-    for i, (part, names, _) in enumerate(written):
+    for i, (part, shard_names, _) in enumerate(written):
         fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
         move(part, root / fname)
-        weight_map.update(dict.fromkeys(names, fname))
+        weight_map.update(dict.fromkeys(shard_names, fname))
     listing = {"metadata": {"total_size": sum(n for *_, n in written)}, "weight_map": weight_map}
     (root / INDEX_FILE).write_text(json.dumps(listing, indent=2))
 

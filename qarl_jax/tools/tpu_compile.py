@@ -145,10 +145,18 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
     tpu.register_dialect(ctx)
     ctx.allow_unregistered_dialects = True
     kernels = []
-    for line in hlo_text.splitlines():
-        if 'custom_call_target="tpu_custom_call"' not in line:
-            continue
-        config = json.loads(re.search(r"backend_config=(\{.*\})\s*$", line).group(1))  # type: ignore[union-attr]
+    decoder = json.JSONDecoder()
+    for call in re.finditer(r'custom_call_target="tpu_custom_call"', hlo_text):
+        # the JSON object after the call's backend_config= (read from the whole text: a kernel's
+        # cost estimate can put a line break inside it, and attributes may follow it)
+        at = hlo_text.find("backend_config=", call.end())
+        between = hlo_text[call.end() : at]
+        if at < 0 or "\n  %" in between or "\n  ROOT " in between:  # none before the next instruction
+            line = hlo_text[call.start() :].split("\n", 1)[0]
+            raise ValueError(f"a tpu_custom_call without a backend_config: {line[:200]}")
+        config, _ = decoder.raw_decode(hlo_text, at + len("backend_config="))
+        if isinstance(config, str):  # printed as a quoted string
+            config = json.loads(config)
         with ctx:
             module = ir.Module.parse(base64.b64decode(config["custom_call_config"]["body"]))
             PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)

@@ -19,7 +19,8 @@ each measured on its own: ``save_pretrained`` of the params, then ``save_compres
 w4a16 freeze (``freeze`` as ``qarl_jax.main`` calls it, outside the measurement: it holds the frozen
 model on the devices, not the export). Both are collective (every process gathers one tensor at a
 time, process 0 writes), with ``max_shard_bytes`` = 256 MiB (``--max-shard-mib``): the stated
-bound is one layer's leaf plus, on process 0, one safetensors file's worth. Then both exports
+bound is one layer's leaf (on the devices; on process 0 once more in RAM) plus a 64 MiB copy piece
+(the writer spools each tensor to local disk). Then both exports
 are loaded with ``transformers.AutoModelForCausalLM.from_pretrained`` and a few of their tensors
 compared with the params / the frozen weights dequantized (gathered after the measurements).
 The peak of gathering the largest tensor (the embedding) alone is reported too: ``host_array``

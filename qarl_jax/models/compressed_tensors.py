@@ -269,12 +269,11 @@ def save_compressed(
     With several processes every process calls it (collective) with the global arrays: each leaf,
     and each layer of a stacked leaf, is gathered one at a time (:func:`host_array`), and process 0
     alone converts and writes. **Host peak** beyond the run's own: the frozen leaf being gathered
-    (one layer's, all experts of an MoE projection; int8 / fp8 values, packed int4, f32 scales) once
-    in RAM on process 0 and once across each host's devices (host RAM too on CPU devices), with its
-    converted tensors on process 0, plus there one safetensors file's worth (``max_shard_bytes``, or
-    one larger tensor; a ``gs://`` file twice: its serialised bytes too): :func:`write_safetensors`
-    streams. Never the whole model on a host: measured on two hosts of CPU devices (w4a16, 256 MiB
-    files), 0.55-0.61x the f32 model on process 0 and 0.11-0.23x on the other
+    (one layer's, all experts of an MoE projection; int8 / fp8 values, packed int4, f32 scales)
+    across each host's devices (host RAM only on CPU devices) and, on process 0, once in RAM with
+    its converted tensors, plus a 64 MiB copy piece: :func:`write_safetensors` spools each tensor
+    to local disk as it comes. Measured on two hosts of CPU devices (w4a16, 256 MiB files): 0.31x
+    the f32 model on process 0, 0.19x on the other
     (``benchmarks/host_ram.py --export``, benchmarks/RESULTS.md)."""
     scheme = check_exportable(spec)
     is_quantized = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731

@@ -317,11 +317,11 @@ def save_pretrained(
     With several processes every process calls it (collective) with the global arrays: each leaf,
     and each layer of a stacked leaf, is gathered one at a time (:func:`host_array`), and process 0
     alone writes. **Host peak** beyond the run's own: the tensor being gathered (one layer's leaf,
-    all experts of an MoE projection) once in RAM on process 0 and once across each host's devices
-    (host RAM too on CPU devices), plus, on process 0, one safetensors file's worth
-    (``max_shard_bytes``, or one larger tensor; a ``gs://`` file twice, its serialised bytes too):
-    :func:`write_safetensors` streams. Never the whole model on a host: measured on two hosts of
-    CPU devices, 256 MiB files, 0.57-0.59x the f32 model on process 0 and 0.27-0.29x on the other
+    all experts of an MoE projection) across each host's devices (host RAM only on CPU devices) and,
+    on process 0, once in RAM, plus a 64 MiB copy piece: :func:`write_safetensors` spools each
+    tensor to local disk as it comes (one file's worth of local disk, not RAM). Measured on two
+    hosts of CPU devices (256 MiB files, largest tensor 0.071x): 0.36x the f32 model on process 0,
+    0.28x on the other, which writes nothing (the reshard on its devices)
     (``benchmarks/host_ram.py --export``, benchmarks/RESULTS.md)."""
     ckpt = as_path(ckpt)
     primary = jax.process_index() == 0

@@ -52,6 +52,7 @@ sys.argv[0] = "qarl_jax.main"
 runpy.run_module("qarl_jax.main", run_name="__main__", alter_sys=True)
 """
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

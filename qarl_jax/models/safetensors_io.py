@@ -308,7 +308,7 @@ class _SpooledFile:
             "shape": list(arr.shape),
             "data_offsets": [self.size, self.size + data.nbytes],
         }
-        self.spool.write(memoryview(data.reshape(-1).view(np.uint8)))
+        self.spool.write(data.reshape(-1).view(np.uint8).data)
         self.size += data.nbytes
 
     def write_to(self, f: epath.Path) -> None:
@@ -340,7 +340,7 @@ def write_safetensors(
             old.unlink()
 
     written: list[tuple[epath.Path, list[str], int]] = []  # (temporary file, names, bytes) a shard
-    shard, names = _SpooledFile(), []
+    shard, names = _SpooledFile(), list[str]()
 
     def flush() -> None:
         part = root / f"shard-{len(written) + 1:05d}.safetensors.part"
@@ -350,7 +350,7 @@ def write_safetensors(
     for name, arr in tensors:
         if shard.size and shard.size + arr.nbytes > max_shard_bytes:
             flush()
-            shard, names = _SpooledFile(), []
+            shard, names = _SpooledFile(), list[str]()
         shard.add(name, arr)
         names.append(name)
         del arr

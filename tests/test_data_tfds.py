@@ -96,20 +96,11 @@ def test_process_0_prepares_first_the_others_after_the_barrier(
     ``download_and_prepare`` before the barrier; process 1 only after it, and then on a shared
     ``data_dir`` reuses process 0's copy (no file rewritten), on its own disk prepares its own."""
     import jax
-    import tensorflow_datasets as tfds
     from jax.experimental import multihost_utils
 
     from qarl_jax.data.tfds_source import PREPARED_BARRIER, tfds_source
 
-    events: list[str] = []
-    real_prepare = tfds.core.DatasetBuilder.download_and_prepare
-
-    def prepare(builder, *args, **kwargs):
-        events.append("download_and_prepare")
-        return real_prepare(builder, *args, **kwargs)
-
-    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", prepare)
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    events = _recorded_prepares(monkeypatch)
     monkeypatch.setattr(jax, "process_index", lambda: process)
     monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: events.append(name))
     files = lambda d: {p: p.stat().st_mtime_ns for p in d.rglob("*") if p.is_file()}  # noqa: E731
@@ -143,15 +134,7 @@ def test_a_bucket_data_dir_is_prepared_once_and_read_from_each_hosts_disk(
 
     from qarl_jax.data.tfds_source import INFO, PREPARED_BARRIER, local_mirror, tfds_source
 
-    events: list[str] = []
-    real_prepare = tfds.core.DatasetBuilder.download_and_prepare
-
-    def prepare(builder, *args, **kwargs):
-        events.append("download_and_prepare")
-        return real_prepare(builder, *args, **kwargs)
-
-    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", prepare)
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    events = _recorded_prepares(monkeypatch)
     monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: events.append(name))
     (tmp_path / "src").mkdir()  # the test split alone: a quick prepare
     (tmp_path / "src" / "test.jsonl").write_bytes((gsm8k_dir / "test.jsonl").read_bytes())
@@ -182,3 +165,21 @@ def test_a_bucket_data_dir_is_prepared_once_and_read_from_each_hosts_disk(
     assert host(0, "fresh") == [PREPARED_BARRIER]  # a later run's process 0: the bucket has it
     assert len(dataset("host0")) == len(uploaded)
     assert dataset("host1") == dataset("host0") and dataset("fresh") == dataset("host0")
+
+
+def _recorded_prepares(monkeypatch) -> list[str]:
+    """Two processes as far as the source can tell; each real ``download_and_prepare`` (and, by the
+    caller's patch, each barrier) appended to the returned list in order."""
+    import jax
+    import tensorflow_datasets as tfds
+
+    events: list[str] = []
+    real_prepare = tfds.core.DatasetBuilder.download_and_prepare
+
+    def prepare(builder, *args, **kwargs):
+        events.append("download_and_prepare")
+        return real_prepare(builder, *args, **kwargs)
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", prepare)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    return events

@@ -38,7 +38,7 @@ from qarl_jax.tools.tpu_compile import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "tpu7x:2x2x1"])  # v5p: the whole-run cells
 def test_every_kernel_compiles_for_tpu(topology):
     results = check_kernels([topology], preset("qwen3-moe-tiny"), list(FORMATS), progress=False)
     failed = [f"{r.program}: {r.error}" for r in results if r.error]

@@ -120,6 +120,15 @@ def reference_run(tmp_path_factory):
     return smoke_run.shared(tmp_path_factory.getbasetemp())
 
 
+@pytest.fixture(scope="session")
+def two_host_run(tmp_path_factory):
+    """The session's uninterrupted two-process run (tests/hosts.py's ``RUN``, with its HF export),
+    built once and shared by the xdist workers. Read it, never write it."""
+    import hosts
+
+    return hosts.reference(tmp_path_factory.getbasetemp())
+
+
 GCS_BUCKET = "qarl-tests"
 
 

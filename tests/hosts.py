@@ -20,6 +20,10 @@ SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
 # checkpoint, the export gathers them). One shape for both modules' runs: their programs are
 # compiled once per session (the compilation cache, tests/conftest.py) and loaded by every later run
 SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
+# the session's uninterrupted two-host run (:func:`reference`): 4 steps, so that a run preempted
+# after step 1 has steps left to resume; no regular checkpoint (checkpoint_every=0: the final one
+# only, and a preempted run only the preemption's save); a progress line every step on stderr
+RUN = ["run.steps=4", *SHAPE, "run.checkpoint_every=0", "run.progress=true", "run.log_every=1"]
 
 
 # The child: ``python -m qarl_jax.main`` (runpy), with process 1's OWN programs (its rollout engine
@@ -144,3 +148,27 @@ def launch(
     for i, d in enumerate(done):
         assert d.rc == 0, f"process {i} exited {d.rc}:\n{d.err[-3000:]}"
     return [summary(d.out) for d in done]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The session's uninterrupted two-host run (:data:`RUN`): its run directory, the HF export
+    process 0 wrote (``--export-hf``) and both processes' printed summaries."""
+
+    run: pathlib.Path
+    export: pathlib.Path
+    summaries: list[dict]
+
+
+def reference(base: pathlib.Path) -> Reference:
+    """Built once per test session (tests/once.py) and read by tests/test_multihost.py (what two
+    hosts train, log, checkpoint and export) and tests/test_pod_hosts.py (what a preempted bucket
+    run must equal once resumed): one two-process run instead of one per module."""
+    import once
+
+    def build(out: pathlib.Path) -> None:
+        summaries = launch(out / "run", RUN, out, ["--export-hf", str(out / "hf")])
+        (out / "summaries.json").write_text(json.dumps(summaries))
+
+    out = once.built_once(base, "two-host-run", build)
+    return Reference(out / "run", out / "hf", json.loads((out / "summaries.json").read_text()))

@@ -13,7 +13,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hosts import SHAPE, SMOKE, launch, without_time
+from hosts import RUN, SHAPE, SMOKE, launch, without_time
 
 from qarl_jax import quant, sharding
 from qarl_jax.config import load_config, to_dict
@@ -25,14 +25,14 @@ from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, eval
 from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
-OVERRIDES = ["run.steps=2", *SHAPE]  # SHAPE ends with mesh.fsdp=4
+OVERRIDES = RUN  # tests/hosts.py: 4 steps, fsdp over both hosts' 4 devices
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multihost")
-    run, export = out / "run", out / "hf"
-    return run, export, launch(run, OVERRIDES, out, ["--export-hf", str(export)])
+def two_process_run(two_host_run):
+    """The session's two-host run (built once, read by tests/test_pod_hosts.py as well)."""
+    return two_host_run.run, two_host_run.export, two_host_run.summaries
 
 
 @pytest.mark.slow
@@ -42,7 +42,7 @@ def test_two_processes_with_rollouts_on_devices_of_their_own(tmp_path):
     is checkpointed."""
     run = tmp_path / "run"
     async_ = ["rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2", "run.checkpoint_every=1"]
-    first, second = launch(run, [*OVERRIDES[:-1], *async_], tmp_path)
+    first, second = launch(run, ["run.steps=2", *SHAPE[:-1], *async_], tmp_path)
     assert without_time(first["final"]) == without_time(second["final"])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("rollout/staleness") for m in lines] == [None, 0, 1]
@@ -59,7 +59,7 @@ def test_two_processes_train_one_policy(two_process_run):
     assert without_time(first["final"]) == without_time(second["final"])
     # process 0 alone writes the logs: each step once, one event file
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert [m["step"] for m in lines] == list(range(STEPS + 1))
     assert without_time(lines[-1]) == without_time(first["final"])
     assert len(list((run / "tb").glob("events.out.tfevents.*"))) == 1
     # host-side lengths (gathered from both hosts) = the jitted step's over the global batch
@@ -82,7 +82,7 @@ def test_two_processes_train_one_policy(two_process_run):
         ckpt = Checkpointer(run / "checkpoints", config.run.keep, to_dict(config))
         restored = ckpt.restore(trainer.init_state(params))
         ckpt.close()
-    assert restored.step == 2 and len(restored.data_state["processes"]) == 2
+    assert restored.step == STEPS and len(restored.data_state["processes"]) == 2
     _, exported, _ = from_pretrained(export)
     saved, initial = (jax.tree.leaves(jax.device_get(t)) for t in (restored.state.params, params))
     assert all(np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(exported), strict=True))
@@ -92,7 +92,7 @@ def test_two_processes_train_one_policy(two_process_run):
 @pytest.mark.slow
 def test_one_process_refuses_to_resume_a_two_process_run(two_process_run, capsys):
     run, _, _ = two_process_run
-    assert main(["--config", SMOKE, f"run.output_dir={run}", *OVERRIDES, "run.steps=3"]) == 3
+    assert main(["--config", SMOKE, f"run.output_dir={run}", *OVERRIDES, f"run.steps={STEPS + 1}"]) == 3
     assert "was written by 2 process(es), this run has 1" in capsys.readouterr().err
 
 

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from etils import epath
-from hosts import SHAPE, SMOKE, finish, rows, start
+from hosts import RUN, SMOKE, finish, rows, start
 
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
@@ -21,10 +21,10 @@ from qarl_jax.run import distributed
 from qarl_jax.run.preemption import Watch
 from qarl_jax.run.train import train
 
-# the smallest run that has a step to be preempted after and steps left to resume; no regular
-# checkpoint (checkpoint_every=0): only the preemption's save can resume it; progress lines on
-# stderr are the event the test waits for; the shape of tests/test_multihost.py's runs (one compile)
-OVERRIDES = ["run.steps=4", *SHAPE, "run.checkpoint_every=0", "run.progress=true", "run.log_every=1"]
+# the session's two-host run (tests/hosts.py): 4 steps, so a step to be preempted after and steps
+# left to resume; no regular checkpoint, so only the preemption's save can resume it; progress
+# lines on stderr are the event the test waits for
+OVERRIDES = RUN
 PREEMPTED, HOSTS = 75, 7
 
 
@@ -50,15 +50,14 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # three two-process runs, each compiling on a shared 2-core machine
-def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(tmp_path, gcs_bucket):
+def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(
+    tmp_path, gcs_bucket, two_host_run
+):
     """The pod case whole: two hosts that share no disk (two empty working directories), the run
     directory in a bucket (a real GCS API server); SIGTERM to the non-primary host once step 1 is
     logged; both stop at one step, saved in the bucket; the same command resumes exactly (metrics
-    step by step equal to an uninterrupted run's); nothing is written to either host's disk."""
-    uninterrupted = tmp_path / "uninterrupted"
-    done = finish(start(str(uninterrupted), OVERRIDES, tmp_path, "whole"), tmp_path, "whole")
-    assert [d.rc for d in done] == [0, 0], done[0].err[-3000:] + done[1].err[-3000:]
-
+    step by step equal to the session's uninterrupted two-host run, the same command on a local
+    disk); nothing is written to either host's disk."""
     run = epath.Path(f"{gcs_bucket}/pod-{tmp_path.name}")
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for host in hosts:
@@ -87,7 +86,7 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactl
     done = finish(start(str(run), OVERRIDES, tmp_path, "again", hosts), tmp_path, "again")
     assert [d.rc for d in done] == [0, 0], done[0].err[-3000:] + done[1].err[-3000:]
     assert f"resuming from {run / 'checkpoints' / str(step)}" in done[0].err
-    assert rows(run) == rows(uninterrupted)
+    assert rows(run) == rows(two_host_run.run)
     assert [list(host.iterdir()) for host in hosts] == [[], []]  # no local "gs:" folder, nothing
 
 

@@ -7,13 +7,13 @@ Qwen3-MoE, Qwen2 and Llama 3; float32 compute too, and kv heads replicated past 
 The cells are a covering design, not the product (which was 40 layout runs, each compiling a
 training forward and an engine: 375 s). Every Qwen3 cell below has float32 masters:
 
-| format | Qwen3 dense (4 kv heads)           | Qwen3-MoE (2 kv heads)                       |
-| ------ | ---------------------------------- | -------------------------------------------- |
-| bf16   | f32 compute, tensor 8, 1 sequence* | bf16 compute, tensor 2 x expert 2            |
-| w8a8   | f32 compute, tensor 4              | bf16 compute, tensor 4 x expert 2            |
+| format | Qwen3 dense (4 kv heads)           | Qwen3-MoE (2 kv heads)                         |
+| ------ | ---------------------------------- | ---------------------------------------------- |
+| bf16   | f32 compute, tensor 8, 1 sequence* | bf16 compute, tensor 2 x expert 2              |
+| w8a8   | f32 compute, tensor 4              | bf16 compute, tensor 4 x expert 2              |
 | w4a16  | bf16 compute, tensor 4             | f32 compute, tensor 4 x expert 2, 2 sequences* |
-| w4a8   | bf16 compute, tensor 4             | f32 compute, tensor 4 x expert 2             |
-| fp8    | bf16 compute, tensor 8             | f32 compute, tensor 2 x expert 2             |
+| w4a8   | bf16 compute, tensor 4             | f32 compute, tensor 4 x expert 2               |
+| fp8    | bf16 compute, tensor 8             | f32 compute, tensor 2 x expert 2               |
 
 Tensor 8 (dense) and tensor 4 x expert 2 (MoE) replicate the kv heads (two devices a kv head; on
 tensor 8 the vocabulary 300 is also padded to 304); tensor 4 and tensor 2 x expert 2 keep whole kv
@@ -27,19 +27,19 @@ with each kind, each compute dtype and each kv placement (whole / replicated), a
 each of the four (compute dtype, kv placement) pairs. Why pairs suffice: what a format's kernels
 do on their own, whatever the dtype, is proven per format where they live (column blocks on one
 device = the split over 2 / 4 / 8 devices: test_tensor_parallel; rows and batch invariance in both
-dtypes: test_kernels_matmul, test_kernels_grouped; attention: test_kernels_attention); what a
-whole model adds is how the program around the kernels composes, and each bit lost so far was
-lost by a pair: format x tensor layout under float32 masters (before 971f68d the engine's one-block
-program lacked the training forward's per-block barrier and XLA dropped the activations' bf16
-rounding: bf16, w8a8 and w4a8 failed on both kinds; here dense w4a8 tensor 4 and MoE bf16 tensor 2
-x expert 2), compute dtype x tensor layout (XLA:CPU's f32 cos / sin and products took other bits
-in the engine's one-column-block chain than in the training forward's blocked one until the CPU
-RoPE became a loop of its own: 5 of 10 formats x kinds failed; here dense w8a8 tensor 4, 61% /
-91% of bf16's / w8a8's log-probs bitwise then), and one triple, f32 compute x replicated kv heads x
-one sequence a device (the CPU attention compiled a one-row, one-key-block call differently: 7 of
-10 failed), kept as the two starred cells it was found with. The replicated and expert layouts with
-float32 masters are the other tests' ground (``test_tools_check_alignment``,
-``test_rollout_layout``).
+dtypes: test_kernels_matmul; the grouped (MoE) kernel's rows: test_kernels_grouped; attention:
+test_kernels_attention); what a whole model adds is how the program around the kernels composes,
+and each bit lost so far was lost by a pair: format x tensor layout under float32 masters (before
+971f68d the engine's one-block program lacked the training forward's per-block barrier and XLA
+dropped the activations' bf16 rounding: bf16, w8a8 and w4a8 failed on both kinds; here dense w4a8
+tensor 4 and MoE bf16 tensor 2 x expert 2), compute dtype x tensor layout (XLA:CPU's f32 cos / sin
+and products took other bits in the engine's one-column-block chain than in the training
+forward's blocked one until the CPU RoPE became a loop of its own: 5 of 10 formats x kinds failed;
+here dense w8a8 tensor 4, 91% of its log-probs bitwise then), and one triple, f32 compute x
+replicated kv heads x one sequence a device (the CPU attention compiled a one-row, one-key-block
+call differently: 7 of 10 failed), kept as the two starred cells it was found with. The replicated
+and expert layouts with float32 masters are the other tests' ground
+(``test_tools_check_alignment``, ``test_rollout_layout``).
 
 What each cell compares (8 fake CPU devices): the training forward (``policy_logprobs`` on the master
 weights, the trainer's mesh data=2 x fsdp=4, ``tensor_blocks`` = the layout's tensor degree) and

@@ -2,16 +2,43 @@
 for bit, under the settings real runs use: float32 master weights and bfloat16 compute, every
 format, on random ``transformers`` checkpoints whose shapes are unlike the presets' (untied, a
 vocabulary and widths that are not powers of two, head sizes 24 and 48, w4 groups of 64), Qwen3,
-Qwen3-MoE, Qwen2 and Llama 3. Every
-cell here lost its bits before 971f68d for bf16 and the a8 formats (the engine's one-block program
-lacked the training forward's per-block barrier, and XLA dropped the activations' bf16 rounding).
+Qwen3-MoE, Qwen2 and Llama 3; float32 compute too, and kv heads replicated past their count.
 
-Float32 compute is checked on the widest layouts (every f32 cell lost bits before the CPU RoPE
-became a loop of its own inside the fused chain: XLA:CPU's f32 cos / sin and products took other
-bits in the engine's one-column-block chain than in the training forward's blocked one), and with
-the kv heads replicated over the devices at one sequence a device (it lost bits before the CPU
-attention stopped compiling a one-row, one-key-block call differently). The
-replicated and expert layouts with float32 masters are the other tests' ground
+The cells are a covering design, not the product (which was 40 layout runs, each compiling a
+training forward and an engine: 375 s). Every Qwen3 cell below has float32 masters:
+
+| format | Qwen3 dense (4 kv heads)           | Qwen3-MoE (2 kv heads)                         |
+| ------ | ---------------------------------- | ---------------------------------------------- |
+| bf16   | f32 compute, tensor 8, 1 sequence* | bf16 compute, tensor 2 x expert 2              |
+| w8a8   | f32 compute, tensor 4              | bf16 compute, tensor 4 x expert 2              |
+| w4a16  | bf16 compute, tensor 4             | f32 compute, tensor 4 x expert 2, 2 sequences* |
+| w4a8   | bf16 compute, tensor 4             | f32 compute, tensor 4 x expert 2               |
+| fp8    | bf16 compute, tensor 8             | f32 compute, tensor 2 x expert 2               |
+
+Tensor 8 (dense) and tensor 4 x expert 2 (MoE) replicate the kv heads (two devices a kv head; on
+tensor 8 the vocabulary 300 is also padded to 304); tensor 4 and tensor 2 x expert 2 keep whole kv
+heads a device. 8 sequences (several a data shard) but where starred: one sequence a device. Beside
+the table: Qwen2 w4a16 on tensor 4 (q/k/v biases split with their columns, its 2 kv heads
+replicated) and Llama 3 fp8 on tensor 2 (scaled RoPE), bf16 compute; bfloat16 master weights with
+w8a8 on the layouts with the most and with no column blocks (dense tensor 8, MoE expert 4).
+
+Each pair of factors is in the table (``test_the_cells_cover_every_pair`` checks it): each format
+with each kind, each compute dtype and each kv placement (whole / replicated), and each kind with
+each of the four (compute dtype, kv placement) pairs. Why pairs suffice: what a format's kernels
+do on their own, whatever the dtype, is proven per format where they live (column blocks on one
+device = the split over 2 / 4 / 8 devices: test_tensor_parallel; rows and batch invariance in both
+dtypes: test_kernels_matmul; the grouped (MoE) kernel's rows: test_kernels_grouped; attention:
+test_kernels_attention); what a whole model adds is how the program around the kernels composes,
+and each bit lost so far was lost by a pair: format x tensor layout under float32 masters (before
+971f68d the engine's one-block program lacked the training forward's per-block barrier and XLA
+dropped the activations' bf16 rounding: bf16, w8a8 and w4a8 failed on both kinds; here dense w4a8
+tensor 4 and MoE bf16 tensor 2 x expert 2), compute dtype x tensor layout (XLA:CPU's f32 cos / sin
+and products took other bits in the engine's one-column-block chain than in the training
+forward's blocked one until the CPU RoPE became a loop of its own: 5 of 10 formats x kinds failed;
+here dense w8a8 tensor 4, 91% of its log-probs bitwise then), and one triple, f32 compute x
+replicated kv heads x one sequence a device (the CPU attention compiled a one-row, one-key-block
+call differently: 7 of 10 failed), kept as the two starred cells it was found with. The replicated
+and expert layouts with float32 masters are the other tests' ground
 (``test_tools_check_alignment``, ``test_rollout_layout``).
 
 What each cell compares (8 fake CPU devices): the training forward (``policy_logprobs`` on the master
@@ -27,6 +54,7 @@ is compared. (The whole engine, sampling and slot refills included, against the 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +81,6 @@ from qarl_jax.models.qwen3 import KVCache
 from qarl_jax.quant import QuantSpec
 from qarl_jax.rl.logprobs import policy_logprobs
 from qarl_jax.rollout import layout
-
-# each cell compiles a training forward and an engine on 8 devices (71-156 s a cell, 26 cells): the
-# fast tier (-m 'not slow') leaves the matrix to the full suite
-pytestmark = pytest.mark.slow
 
 COMMON = dict(
     vocab_size=300,
@@ -90,32 +114,42 @@ CLASSES = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config),
     "llama": (LlamaForCausalLM, LlamaConfig),
 }
-LAYOUTS = {  # model -> the rollout.mesh layouts it is checked on
-    "dense": {  # 4 kv heads; vocabulary 300. Tensor 2 (what tensor 4 checks: whole kv heads a device,
-        # a vocabulary the degree divides) is the Qwen2 / Llama cells' and check_alignment's: one
-        # compile pair a format fewer here
-        "tensor4": layout.RolloutMesh(data=2, tensor=4),
-        "tensor8": layout.RolloutMesh(data=1, tensor=8),  # kv heads on 2 devices each; vocab padded to 304
-    },
-    "moe": {  # 2 kv heads
-        "tensor2-expert2": layout.RolloutMesh(data=2, tensor=2, expert=2),
-        "tensor4-expert2": layout.RolloutMesh(data=1, tensor=4, expert=2),  # kv heads on 2 devices each
-    },
-}
-LAYOUTS["qwen2"] = LAYOUTS["llama"] = {
+LAYOUTS = {  # the rollout.mesh layouts of the cells
     "tensor2": layout.RolloutMesh(data=4, tensor=2),
-    "tensor4": LAYOUTS["dense"]["tensor4"],
-}
-BF16_MASTERS = {  # bfloat16 master weights: the layouts without and with the most column blocks
-    "dense": {"replicated": layout.RolloutMesh(data=8), "tensor8": LAYOUTS["dense"]["tensor8"]},
-    "moe": {
-        "expert4": layout.RolloutMesh(data=2, expert=4),
-        "tensor4-expert2": LAYOUTS["moe"]["tensor4-expert2"],
-    },
+    "tensor4": layout.RolloutMesh(data=2, tensor=4),
+    "tensor8": layout.RolloutMesh(data=1, tensor=8),
+    "tensor2-expert2": layout.RolloutMesh(data=2, tensor=2, expert=2),
+    "tensor4-expert2": layout.RolloutMesh(data=1, tensor=4, expert=2),
+    "expert4": layout.RolloutMesh(data=2, expert=4),
 }
 FORMATS = ("bf16", "w8a8", "w4a16", "w4a8", "fp8")
 GROUP = 64  # w4 groups: divide every K here (192, 320, 64), unlike the presets' 128
 ROWS, PROMPT, STEPS = 8, 6, 2  # 8 sequences: 6 prompt tokens by prefill, then one decode step
+
+# the table above, float32 masters: (kind, format, layout); the starred cells as (..., sequences)
+BF16_COMPUTE = [
+    ("dense", "w4a16", "tensor4"),
+    ("dense", "w4a8", "tensor4"),
+    ("dense", "fp8", "tensor8"),
+    ("moe", "bf16", "tensor2-expert2"),
+    ("moe", "w8a8", "tensor4-expert2"),
+]
+F32_COMPUTE = [
+    ("dense", "w8a8", "tensor4"),
+    ("moe", "w4a8", "tensor4-expert2"),
+    ("moe", "fp8", "tensor2-expert2"),
+]
+F32_REPLICATED_KV = [  # one sequence a device: every prefill and decode step attends over one row
+    # of one key block
+    ("dense", "bf16", "tensor8", 1),
+    ("moe", "w4a16", "tensor4-expert2", 2),
+]
+FAMILIES = [("qwen2", "w4a16", "tensor4"), ("llama", "fp8", "tensor2")]
+BF16_MASTERS = [("dense", "w8a8", "tensor8"), ("moe", "w8a8", "expert4")]
+
+
+def _ids(cells) -> list[str]:
+    return ["-".join(map(str, cell)) for cell in cells]
 
 
 def save_checkpoint(kind: str, path) -> None:
@@ -186,80 +220,87 @@ def engine_logprobs(model: Qwen3ForCausalLM, params, mesh_layout: layout.Rollout
         return np.asarray(jax.jit(run)(frozen, jax.device_put(tokens, rows)))
 
 
-def mismatches(
-    path, param_dtype: str, compute_dtype: str, fmt: str, layouts, rows: int = ROWS
-) -> dict[str, str]:
-    """{layout: what differs} over ``layouts`` (name -> rollout mesh) of one (checkpoint, dtypes,
-    format) on the first ``rows`` sequences; empty: bitwise everywhere. The training forward runs
-    once per tensor degree."""
+def mismatch(path, param_dtype: str, compute_dtype: str, fmt: str, mesh_layout: str, rows: int = ROWS) -> str:
+    """What differs between the training forward's and the engine's log-probs of one cell
+    (checkpoint, dtypes, format, layout) on the first ``rows`` sequences; empty: bitwise."""
     config, params = _host_params(str(path), param_dtype, compute_dtype)
     spec = QuantSpec(fmt, group_size=GROUP if fmt.startswith("w4") else None)
     tokens = _tokens(config.vocab_size)[:rows]
-    trained: dict[int, np.ndarray] = {}
-    bad = {}
-    for name, mesh_layout in layouts.items():
-        model = Qwen3ForCausalLM(config.replace(tensor_blocks=mesh_layout.tensor), spec)
-        if mesh_layout.tensor not in trained:
-            trained[mesh_layout.tensor] = training_logprobs(model, params, tokens)
-        want, got = trained[mesh_layout.tensor], engine_logprobs(model, params, mesh_layout, tokens)
-        assert np.all(np.isfinite(want)) and want.shape == got.shape == (rows, PROMPT + STEPS - 1)
-        if not np.array_equal(want, got):
-            d = np.abs(want.astype(np.float64) - got)
-            bad[name] = f"{np.mean(want == got):.0%} bitwise, max diff {d.max():.3g}"
-    return bad
+    engine = LAYOUTS[mesh_layout]
+    model = Qwen3ForCausalLM(config.replace(tensor_blocks=engine.tensor), spec)
+    want, got = training_logprobs(model, params, tokens), engine_logprobs(model, params, engine, tokens)
+    assert np.all(np.isfinite(want)) and want.shape == got.shape == (rows, PROMPT + STEPS - 1)
+    if np.array_equal(want, got):
+        return ""
+    return f"{np.mean(want == got):.0%} bitwise, max diff {np.abs(want.astype(np.float64) - got).max():.3g}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_tensor_layouts_give_the_training_bits_f32_masters_bf16_compute(checkpoints, kind, fmt):
+def _kv_placement(kind: str, mesh_layout: str) -> str:
+    heads = SHAPES[kind]["num_key_value_heads"]
+    return "whole" if heads % LAYOUTS[mesh_layout].tensor == 0 else "replicated"
+
+
+def test_the_cells_cover_every_pair():
+    """The table's Qwen3 cells hold every pair the module docstring names (no compile: the fast
+    tier keeps it, so an edit of the table that drops a pair fails at once)."""
+    cells = [(k, f, "bfloat16", lay) for k, f, lay in BF16_COMPUTE]
+    cells += [(k, f, "float32", lay) for k, f, lay in F32_COMPUTE]
+    cells += [(k, f, "float32", lay) for k, f, lay, _ in F32_REPLICATED_KV]
+    rows = [(k, f, c, _kv_placement(k, lay)) for k, f, c, lay in cells]
+    kinds, dtypes, placements = ("dense", "moe"), ("bfloat16", "float32"), ("whole", "replicated")
+    assert sorted((k, f) for k, f, _, _ in rows) == sorted(itertools.product(kinds, FORMATS))
+    assert {(f, c) for _, f, c, _ in rows} == set(itertools.product(FORMATS, dtypes))
+    assert {(f, p) for _, f, _, p in rows} == set(itertools.product(FORMATS, placements))
+    assert {(k, c, p) for k, _, c, p in rows} == set(itertools.product(kinds, dtypes, placements))
+    # the bf16-masters cells: with and without column blocks; the families: whole and replicated kv
+    assert {LAYOUTS[lay].tensor > 1 for _, _, lay in BF16_MASTERS} == {True, False}
+    assert {_kv_placement(k, lay) for k, _, lay in FAMILIES} == set(placements)
+
+
+# each cell compiles a training forward and an engine on 8 devices (7-13 s a cell): the fast tier
+# (-m 'not slow') leaves them to the full suite
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fmt,mesh_layout", BF16_COMPUTE, ids=_ids(BF16_COMPUTE))
+def test_tensor_layouts_give_the_training_bits_f32_masters_bf16_compute(checkpoints, kind, fmt, mesh_layout):
     """The configs' settings (f32 master weights, bf16 compute) on the tensor-parallel layouts,
-    more devices than kv heads and a vocabulary the degree does not divide included."""
-    assert mismatches(checkpoints[kind], "float32", "bfloat16", fmt, LAYOUTS[kind]) == {}
+    more devices than kv heads and a vocabulary the degree does not divide included. Before 971f68d
+    the bf16 and a8 formats lost the bits here (max diff 0.012-0.050)."""
+    assert mismatch(checkpoints[kind], "float32", "bfloat16", fmt, mesh_layout) == ""
 
 
-F32_COMPUTE = {  # float32 compute: the widest layouts that keep whole kv heads a device (replicated
-    # ones: F32_REPLICATED_KV)
-    "dense": {"tensor4": LAYOUTS["dense"]["tensor4"]},
-    "moe": {"tensor2-expert2": LAYOUTS["moe"]["tensor2-expert2"]},
-}
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fmt,mesh_layout", F32_COMPUTE, ids=_ids(F32_COMPUTE))
+def test_f32_compute_keeps_the_bits_on_tensor_layouts(checkpoints, kind, fmt, mesh_layout):
+    """f32 master weights and f32 compute, several sequences a device. Before the CPU RoPE ran as a
+    loop of its own inside the fused chain, dense w8a8 on tensor 4 had 91% of its log-probs
+    bitwise (of the ten format x kind cells then, five failed)."""
+    assert mismatch(checkpoints[kind], "float32", "float32", fmt, mesh_layout) == ""
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_f32_compute_keeps_the_bits_on_tensor_layouts(checkpoints, kind, fmt):
-    """f32 master weights and f32 compute. Before the CPU RoPE ran as a loop of its own inside the
-    fused chain, 5 of these 10 cells failed: dense bf16, w8a8, w4a16 and MoE bf16, w4a16 (dense at
-    tensor 4: 61% of bf16's and 91% of w8a8's log-probs bitwise)."""
-    assert mismatches(checkpoints[kind], "float32", "float32", fmt, F32_COMPUTE[kind]) == {}
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fmt,mesh_layout,rows", F32_REPLICATED_KV, ids=_ids(F32_REPLICATED_KV))
+def test_f32_compute_keeps_the_bits_with_replicated_kv_heads(checkpoints, kind, fmt, mesh_layout, rows):
+    """f32 master weights and f32 compute, more devices than kv heads, one sequence a device:
+    refused until the CPU attention gave a one-block key axis a second block (with one row, every
+    key slice was the whole array and XLA:CPU compiled other f32 dot code; issue 37's rollouts lost
+    the bits of a prompt prefilled alone on a device). The cause is the attention's, whatever the
+    format: these two cells (over all five formats, seven of the ten failed before: all but dense
+    w4a16 and fp8 and MoE fp8), the kernel's own test in test_kernels_attention; every format end
+    to end in benchmarks/RESULTS.md."""
+    assert mismatch(checkpoints[kind], "float32", "float32", fmt, mesh_layout, rows) == ""
 
 
-F32_REPLICATED_KV = {  # float32 compute, kv heads replicated (one q head a device), one sequence a
-    # device: every prefill and decode step attends over one row of one key block
-    "dense": ({"tensor8": LAYOUTS["dense"]["tensor8"]}, 1),
-    "moe": ({"tensor4-expert2": LAYOUTS["moe"]["tensor4-expert2"]}, 2),
-}
-
-
-@pytest.mark.parametrize("kind,fmt", [("dense", "bf16"), ("moe", "w4a16")])
-def test_f32_compute_keeps_the_bits_with_replicated_kv_heads(checkpoints, kind, fmt):
-    """f32 master weights and f32 compute, more devices than kv heads: refused until the CPU
-    attention gave a one-block key axis a second block (with one row, every key slice was the whole
-    array and XLA:CPU compiled other f32 dot code; issue 37's rollouts lost the bits of a prompt
-    prefilled alone on a device). The cause is the attention's, whatever the format: two cells
-    here (of the ten, seven failed before: all but dense w4a16 and fp8 and MoE fp8), the kernel's own
-    test in test_kernels_attention; every format end to end in benchmarks/RESULTS.md."""
-    layouts, rows = F32_REPLICATED_KV[kind]
-    assert mismatches(checkpoints[kind], "float32", "float32", fmt, layouts, rows) == {}
-
-
-@pytest.mark.parametrize("kind,fmt", [("qwen2", "w4a16"), ("llama", "fp8")])
-def test_qwen2_and_llama_keep_the_bits_on_tensor_layouts(checkpoints, kind, fmt):
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fmt,mesh_layout", FAMILIES, ids=_ids(FAMILIES))
+def test_qwen2_and_llama_keep_the_bits_on_tensor_layouts(checkpoints, kind, fmt, mesh_layout):
     """Qwen2 (its q/k/v biases split with their columns, kv heads replicated at tensor 4) and Llama 3
-    (scaled RoPE), f32 masters and bf16 compute, as the Qwen3 cells."""
-    assert mismatches(checkpoints[kind], "float32", "bfloat16", fmt, LAYOUTS[kind]) == {}
+    (scaled RoPE, whole kv heads at tensor 2), f32 masters and bf16 compute, as the Qwen3 cells."""
+    assert mismatch(checkpoints[kind], "float32", "bfloat16", fmt, mesh_layout) == ""
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_bf16_masters_keep_the_bits_replicated_and_tensor_parallel(checkpoints, kind):
-    """bfloat16 master weights (the frozen bf16 weights are then the masters themselves) with w8a8."""
-    assert mismatches(checkpoints[kind], "bfloat16", "bfloat16", "w8a8", BF16_MASTERS[kind]) == {}
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fmt,mesh_layout", BF16_MASTERS, ids=_ids(BF16_MASTERS))
+def test_bf16_masters_keep_the_bits_with_and_without_column_blocks(checkpoints, kind, fmt, mesh_layout):
+    """bfloat16 master weights (the frozen bf16 weights are then the masters themselves) with w8a8,
+    on the layouts with the most column blocks (dense tensor 8) and with none (MoE expert 4)."""
+    assert mismatch(checkpoints[kind], "bfloat16", "bfloat16", fmt, mesh_layout) == ""

@@ -6,8 +6,9 @@ documented keys; bad configuration exits 2.
 
 The sizes keep the engine's programs few (XLA:CPU compiles are these tests' time): every prompt
 fits the first prefill length bucket and each fill takes 2 whole prompts' samples into 4 slots, so
-one prefill, one insert and one generate program serve both rounds (3 prefills of 1 or 2 prompts
-and inserts of 1, 2 or 4 samples, before)."""
+one prefill, one insert and one generate program serve both rounds (the MoE case's one sample
+ending on EOS adds a refill of one slot: a prefill and an insert more). 3 prompts x 3 samples
+compiled 3 prefills and 3 inserts."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from qarl_jax.models import KVCache, from_pretrained
 # Llama 3's scaled RoPE at decode positions; the logits test on every case. Qwen2's decode steps are
 # checked bitwise against its full forward by tests/test_families_alignment.py
 CACHE_CASES = [c for c in sorted(CASES) if not c.startswith(("qwen2", "llama"))] + ["llama-untied-llama3"]
+# the cache and packing tests' rows: one shape, so their full forwards are one compiled program
+ROWS, LENGTH = 4, 12
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -44,18 +46,24 @@ def test_logits_match_transformers_on_padded_batches(pair, seed):
     np.testing.assert_array_equal(ours.argmax(-1)[valid], ref.argmax(-1)[valid])
 
 
+def _rows(tokens: np.ndarray, positions: np.ndarray, segments: np.ndarray) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(np.asarray(x, np.int32)) for x in (tokens, positions, segments))
+
+
 @pytest.mark.parametrize("pair", CACHE_CASES, indirect=True)
 def test_kv_cache_decode_reproduces_full_forward(pair):
+    """The full forward is run on [ROWS, LENGTH] rows with explicit positions and segments: the
+    program test_packed_segments_equal_separate_sequences runs (one compile for both)."""
     _, model, forward, decode = pair
-    tokens, _ = padded_batch(model.config.vocab_size, batch=3, length=10, seed=3)
-    full = np.asarray(forward(jnp.asarray(tokens)))
+    tokens, _ = padded_batch(model.config.vocab_size, batch=ROWS, length=LENGTH, seed=3)
+    positions = np.broadcast_to(np.arange(LENGTH), (ROWS, LENGTH))
+    full = np.asarray(forward(*_rows(tokens, positions, np.ones_like(tokens))))
     # prefill the first 4 tokens in one call, then decode one token at a time
-    cache = KVCache.init(model.config, batch=3, max_len=16)
-    positions = jnp.broadcast_to(jnp.arange(4), (3, 4))
-    logits, cache = decode(jnp.asarray(tokens[:, :4]), positions, cache)
+    cache = KVCache.init(model.config, batch=ROWS, max_len=16)
+    logits, cache = decode(jnp.asarray(tokens[:, :4]), jnp.asarray(positions[:, :4]), cache)
     steps = [np.asarray(logits)]
-    for t in range(4, 10):
-        pos = jnp.full((3, 1), t)
+    for t in range(4, LENGTH):
+        pos = jnp.full((ROWS, 1), t)
         logits, cache = decode(jnp.asarray(tokens[:, t : t + 1]), pos, cache)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
@@ -63,15 +71,19 @@ def test_kv_cache_decode_reproduces_full_forward(pair):
 
 @pytest.mark.parametrize("pair", CACHE_CASES, indirect=True)
 def test_packed_segments_equal_separate_sequences(pair):
-    """Two sequences packed in one row (positions restarting) give the logits of each alone."""
+    """Two sequences packed in one row (positions restarting), in both orders, give the logits of
+    each alone in a row of its own (padding after it), all in one [ROWS, LENGTH] call."""
     _, model, forward, _ = pair
     rng = np.random.RandomState(5)
     a, b = rng.randint(0, model.config.vocab_size, 7), rng.randint(0, model.config.vocab_size, 5)
-    packed = jnp.asarray(np.concatenate([a, b, [0, 0]])[None])
-    segments = jnp.asarray([[1] * 7 + [2] * 5 + [0, 0]])
-    positions = jnp.asarray([list(range(7)) + list(range(5)) + [0, 0]])
-    out = np.asarray(forward(packed, positions, segments))[0]
-    alone_a, alone_b = (np.asarray(forward(jnp.asarray(x[None])))[0] for x in (a, b))
-    np.testing.assert_allclose(out[:7], alone_a, atol=1e-5)
-    np.testing.assert_allclose(out[7:12], alone_b, atol=1e-5)
+    pad_a, pad_b = np.zeros(LENGTH - 7, int), np.zeros(LENGTH - 5, int)
+    tokens = [np.concatenate(r) for r in ((a, b), (a, pad_a), (b, pad_b), (b, a))]
+    positions = [np.concatenate([np.arange(n), np.arange(LENGTH - n)]) for n in (7, 7, 5, 5)]
+    segments = [[1] * 7 + [2] * 5, [1] * 7 + [0] * 5, [1] * 5 + [0] * 7, [1] * 5 + [2] * 7]
+    out = np.asarray(forward(*_rows(np.stack(tokens), np.stack(positions), np.asarray(segments))))
+    alone_a, alone_b = out[1, :7], out[2, :5]
+    np.testing.assert_allclose(out[0, :7], alone_a, atol=1e-5)
+    np.testing.assert_allclose(out[0, 7:], alone_b, atol=1e-5)
+    np.testing.assert_allclose(out[3, :5], alone_b, atol=1e-5)
+    np.testing.assert_allclose(out[3, 5:], alone_a, atol=1e-5)
     assert np.isfinite(out).all()

@@ -1,8 +1,14 @@
-"""The mismatch tool end to end, in process, on 8 fake CPU devices: the real rollout engine (mixed
-prompt lengths, 3 samples per prompt on 4 slots, so slots refill) against the trainer's loss on
-8-row batches, for the default policy (the embedded qwen3-tiny checkpoint) and qwen3-moe-tiny.
+"""The mismatch tool end to end, in process, on 8 fake CPU devices: the real rollout engine (4
+prompts of mixed lengths, 2 samples each on 4 slots, so the slots are refilled) against the trainer's
+loss on 8-row batches, for the default policy (the embedded qwen3-tiny checkpoint) and qwen3-moe-tiny.
 Aligned w4a16 is bitwise with the same routing; naive is not; --json's last line has exactly the
-documented keys; bad configuration exits 2."""
+documented keys; bad configuration exits 2.
+
+The sizes keep the engine's programs few (XLA:CPU compiles are these tests' time): every prompt
+fits the first prefill length bucket and each fill takes 2 whole prompts' samples into 4 slots, so
+one prefill, one insert and one generate program serve both rounds (the MoE case's one sample
+ending on EOS adds a refill of one slot: a prefill and an insert more). 3 prompts x 3 samples
+compiled 3 prefills and 3 inserts."""
 
 from __future__ import annotations
 
@@ -13,11 +19,11 @@ import pytest
 from qarl_jax.tools.check_alignment import KEYS, main
 
 SMALL = [
-    "alignment.prompts=3",
+    "alignment.prompts=4",
     "alignment.min_prompt_len=3",
     "alignment.max_prompt_len=12",
     "alignment.train_rows=8",
-    "rollout.samples_per_prompt=3",
+    "rollout.samples_per_prompt=2",
     "rollout.max_new_tokens=8",
     "rollout.slots=4",
 ]
@@ -31,7 +37,7 @@ def check(capsys, *overrides: str) -> dict:
 
 
 def assert_bitwise(report: dict) -> None:
-    assert 3 * 3 <= report["n_tokens"] <= 3 * 3 * 8
+    assert 4 * 2 <= report["n_tokens"] <= 4 * 2 * 8
     assert report["frac_bitwise_equal"] == 1.0 and report["max_abs_logp_diff"] == 0.0, report
     assert report["mean_abs_logp_diff"] == 0.0 and report["kl_k3"] == 0.0
     assert set(report["seq_ratio_quantiles"].values()) == {1.0}
@@ -56,8 +62,15 @@ def test_naive_mode_mismatches(capsys):
 def test_moe_tensor_and_expert_parallel_rollout_bitwise_same_routing_padded_batches(capsys):
     """The engine on tensor 2 x expert 2 x data 2 (every projection's columns and the heads split
     2 ways, each device owning 4 of the 8 experts), the trainer on FSDP in the engine's column
-    blocks: bitwise, every token routed the same (bf16 compute: what tensor parallel needs)."""
-    moe = ("model.path=null", "model.preset=qwen3-moe-tiny", "model.compute_dtype=bfloat16")
+    blocks: bitwise, every token routed the same (bf16 compute: what tensor parallel needs). The
+    preset cut to 2 layers (dense layer 0 feeding MoE layer 1): the layouts are per layer, and each
+    layer more only added to the compiles of the engine's and the trainer's programs."""
+    moe = (
+        "model.path=null",
+        "model.preset=qwen3-moe-tiny",
+        "model.num_hidden_layers=2",
+        "model.compute_dtype=bfloat16",
+    )
     layout = ("rollout.mesh.data=2", "rollout.mesh.tensor=2", "rollout.mesh.expert=2")
     report = check(capsys, *moe, "mesh.data=2", "mesh.fsdp=4", *layout, "alignment.packing=false")
     assert_bitwise(report)

@@ -126,14 +126,14 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup, m
 
 @pytest.mark.parametrize("mesh_cfg", [None, sharding.MeshConfig(data=2, fsdp=4)])
 def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
-    """Old log-probs and every rollout-batch metric scored in micro-batch chunks (4 on one device,
+    """Old log-probs and every rollout-batch metric scored in micro-batch chunks (2 on one device,
     2 of one sequence per device on 8) equal one whole-batch forward's bit for bit; on the mesh,
     every chunk's kernels run on each device's own rows, with no data moved between devices."""
     model, params, batch, _ = setup
     batch = batch.replace(truncated=(np.arange(len(batch.advantages)) % 3 == 0).astype(np.float32))
     mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
     p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
-    chunked = TrainConfig(num_minibatches=2, micro_batches=2 if mesh is None else 1)
+    chunked = TrainConfig(num_minibatches=2)  # 2 chunks: as the recompute and KL tests score
     results = []
     for train in (TrainConfig(), chunked):
         trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(), mesh=mesh)
@@ -366,16 +366,18 @@ def test_kl_to_the_initial_policy(setup, epochs):
     assert all(float(m["kl_ref"]) > 0 for m in history[1:]), [float(m["kl_ref"]) for m in history]
     jax.tree.map(np.testing.assert_array_equal, moved.ref_params, params)
 
-    # the KL term alone (zero advantages), a fresh optimizer: every update 0 at the reference; off
-    # it, the first minibatch's KL falls from its first update to its second (in the next epoch)
+    # the KL term alone (zero advantages), a fresh optimizer on small steps: every update 0 at the
+    # reference; off it, the first minibatch's KL falls from its first update to its second (in
+    # the next epoch)
     zero = batch.replace(advantages=np.zeros_like(batch.advantages))
-    _, at_ref = kl.train_on_rollouts(kl.init_state(params), zero)
+    pull = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, OptimizerConfig(learning_rate=1e-4))
+    _, at_ref = pull.train_on_rollouts(pull.init_state(params), zero)
     assert all(float(m["loss"]) == float(m["grad_norm"]) == 0.0 for m in at_ref)
-    off = dataclasses.replace(kl.init_state(moved.params), ref_params=moved.ref_params)
-    _, (before, _, after, _) = kl.train_on_rollouts(off, zero)
+    off = dataclasses.replace(pull.init_state(moved.params), ref_params=moved.ref_params)
+    _, (before, _, after, _) = pull.train_on_rollouts(off, zero)
     assert float(before["grad_norm"]) > 0 and 0 < float(after["kl_ref"]) < float(before["kl_ref"])
     with pytest.raises(ValueError, match="no ref_logp"):
-        kl.update(off, kl.shard_batch(zero.replace(old_logp=zero.rollout_logp)))
+        pull.update(off, pull.shard_batch(zero.replace(old_logp=zero.rollout_logp)))
 
 
 COLLECTIVE = re.compile(

@@ -48,8 +48,13 @@ def test_chunked_logprobs_bitwise_and_gradients_match(monkeypatch, name, fmt, te
     log-probs equal the whole head's bit for bit, also as the aux output under value_and_grad;
     the gradients and the entropy match the unchunked formulas."""
     model, params, tokens, targets = _setup(name, fmt)
-    ref_fn = jax.jit(lambda p: _whole_head(model, p, tokens, targets, temperature))
-    ref, logits = ref_fn(params)
+
+    def ref_loss(p):  # the unchunked reference: log-probs, logits and gradients in one program
+        logp, logits = _whole_head(model, p, tokens, targets, temperature)
+        logq = log_softmax(logits, temperature)
+        return jnp.sum(logp) - 0.1 * jnp.sum(jnp.exp(logq) * logq), (logp, logits)
+
+    (_, (ref, logits)), ref_grads = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))(params)
     monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 2 * 4 * model.config.vocab_size)
     assert logprobs.head_chunk_tokens(2, 23, model.config.vocab_size) == 4
 
@@ -65,13 +70,6 @@ def test_chunked_logprobs_bitwise_and_gradients_match(monkeypatch, name, fmt, te
     np.testing.assert_array_equal(plain(params), ref)
     logq = log_softmax(logits, temperature)
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logq) * logq, axis=-1), rtol=1e-5, atol=1e-6)
-
-    def ref_loss(p):
-        logp, logits = _whole_head(model, p, tokens, targets, temperature)
-        logq = log_softmax(logits, temperature)
-        return jnp.sum(logp) - 0.1 * jnp.sum(jnp.exp(logq) * logq)
-
-    ref_grads = jax.jit(jax.grad(ref_loss))(params)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
     tied = model.config.tie_word_embeddings

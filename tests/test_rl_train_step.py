@@ -1,6 +1,13 @@
 """The training step: aligned old log-probs (scored in micro-batch chunks without changing a bit),
 updates, the NaN guard, minibatches moving the policy, the KL to the initial policy, the sharded step
-equal to the single-device one, and TBPO raising a reward."""
+equal to the single-device one, and TBPO raising a reward.
+
+Compiling a step is most of each test's time (XLA:CPU, seconds a program), so the tests share
+programs: one rollout batch and engine (``setup``), one single-device step of the whole batch
+(``step``: the reference of the micro-batch, sharded, NaN and padding tests) and one run of 2
+minibatches x 2 epochs (``epochs``: the minibatch, KL, old-log-prob, staleness and reward tests),
+and the tests' other trainers take the same configurations (the learning rate is a constant of the
+program) so the run's compilation cache serves them."""
 
 import dataclasses
 import re
@@ -46,31 +53,63 @@ def _rollouts(model, params, n_prompts=4, n=4, seed=0, engine=None):
     adv = np.asarray(group_advantages(rewards)).reshape(-1)
     responses, logprobs = [s.tokens for s in samples], [s.logprobs for s in samples]
     repeated = [p for p in prompts for _ in range(n)]
-    batch = training_batch(repeated, responses, logprobs, adv, length=PROMPT + NEW - 1)
+    truncated = [s.finish_reason == "length" for s in samples]  # all of them: EOS is ignored
+    batch = training_batch(repeated, responses, logprobs, adv, PROMPT + NEW - 1, truncated=truncated)
     return batch, float(rewards.mean())
 
 
 @pytest.fixture(scope="module")
 def setup():
     model, params = _policy()
-    batch, _ = _rollouts(model, params)
-    return model, params, batch
-
-
-def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
-    """Scored in 4 chunks (the micro-batches), the old log-probs still equal the rollout's bitwise."""
-    model, params, batch = setup
-    trainer = Trainer(
-        model,
-        ObjectiveConfig(),
-        TrainConfig(assert_aligned=True, micro_batches=4),
-        OptimizerConfig(learning_rate=1e-3),
+    engine = RolloutEngine(
+        model, quant.quantize_params(params, model.quant), EngineConfig(slots=8, max_len=PROMPT + NEW)
     )
-    state = trainer.init_state(params)
-    truncated = np.ones(len(batch.advantages), np.float32)  # EOS ignored: every response hits NEW
-    state, history = trainer.train_on_rollouts(
-        state, batch.replace(truncated=truncated)
-    )  # raises if old != rollout
+    batch, _ = _rollouts(model, params, engine=engine)
+    return model, params, batch, engine
+
+
+STEP_LR, EPOCHS_LR = 1e-3, 3e-3
+TBPO_STEPS = 6
+EPOCHS = TrainConfig(num_minibatches=2, ppo_epochs=2, assert_aligned=True)
+
+
+@pytest.fixture(scope="module")
+def step(setup):
+    """One update on the whole batch, single device, the default objective and train config: the
+    trainer (its compiled programs reused) and the updated weights and metrics."""
+    model, params, batch, _ = setup
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=STEP_LR))
+    state, (m,) = trainer.train_on_rollouts(trainer.init_state(params), batch)
+    return trainer, state.params, jax.device_get(m)
+
+
+@pytest.fixture(scope="module")
+def epochs(setup):
+    """2 minibatches x 2 epochs of the default objective (old_logprobs=auto: the rollout's, checked
+    bitwise by the first update), minibatches in row order: the trainer, the final state and the 4
+    updates' metrics. Its trainer never scores old log-probs (one test asserts it never compiled
+    that program)."""
+    model, params, batch, _ = setup
+    trainer = Trainer(model, ObjectiveConfig(), EPOCHS, OptimizerConfig(learning_rate=EPOCHS_LR))
+    state, history = trainer.train_on_rollouts(trainer.init_state(params), batch)
+    return trainer, state, jax.device_get(history)
+
+
+@pytest.fixture(scope="module")
+def micro_step(setup):
+    """The ``step`` fixture's update accumulated over 4 micro-batches, aligned (raises if the
+    forward's log-probs differ from the rollout's by a bit)."""
+    model, params, batch, _ = setup
+    train = TrainConfig(assert_aligned=True, micro_batches=4)
+    trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(learning_rate=STEP_LR))
+    state, history = trainer.train_on_rollouts(trainer.init_state(params), batch)  # raises if old != rollout
+    return state, jax.device_get(history)
+
+
+def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup, micro_step):
+    """The first update's forward, in 4 micro-batches, scores the rollout's log-probs bitwise."""
+    _, params, _, _ = setup
+    state, history = micro_step
     (m,) = history
     assert int(state.step) == 1 and float(m["skipped"]) == 0.0
     # the rollout batch's metrics: aligned, full-length responses, a near-uniform random policy
@@ -87,14 +126,14 @@ def test_aligned_old_logprobs_equal_rollout_and_one_update_is_unclipped(setup):
 
 @pytest.mark.parametrize("mesh_cfg", [None, sharding.MeshConfig(data=2, fsdp=4)])
 def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
-    """Old log-probs and every rollout-batch metric scored in micro-batch chunks (4 on one device,
+    """Old log-probs and every rollout-batch metric scored in micro-batch chunks (2 on one device,
     2 of one sequence per device on 8) equal one whole-batch forward's bit for bit; on the mesh,
     every chunk's kernels run on each device's own rows, with no data moved between devices."""
-    model, params, batch = setup
+    model, params, batch, _ = setup
     batch = batch.replace(truncated=(np.arange(len(batch.advantages)) % 3 == 0).astype(np.float32))
     mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
     p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
-    chunked = TrainConfig(num_minibatches=2, micro_batches=2 if mesh is None else 1)
+    chunked = TrainConfig(num_minibatches=2)  # 2 chunks: as the recompute and KL tests score
     results = []
     for train in (TrainConfig(), chunked):
         trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(), mesh=mesh)
@@ -116,16 +155,15 @@ def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
 
 
 @pytest.mark.slow
-def test_cutting_the_padding_changes_no_old_logprob(setup):
+def test_cutting_the_padding_changes_no_old_logprob(setup, step):
     """The same rows padded 7 inputs longer than they need (the loop's batch before
     train.length_buckets cuts it): the old log-probs are bitwise the cut batch's, 0 on the extra
     padding; the update agrees to float rounding (the backward's sums over the length differ)."""
-    model, params, batch = setup
+    _, params, batch, _ = setup
+    trainer = step[0]
     extra = lambda v: np.pad(v, [(0, 0), (0, 7)]) if v.ndim == 2 else v
     longer = batch.map(extra)
     assert longer.tokens.shape[1] == batch.tokens.shape[1] + 7
-    optimizer = OptimizerConfig(learning_rate=1e-3)
-    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), optimizer)
     outs = []
     for b in (batch, longer):
         old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(b)))
@@ -142,7 +180,7 @@ def test_cutting_the_padding_changes_no_old_logprob(setup):
 
 
 def test_chunking_errors(setup):
-    model, params, batch = setup
+    model, params, batch, _ = setup
     trainer = Trainer(model, ObjectiveConfig(), TrainConfig(num_minibatches=3), OptimizerConfig())
     with pytest.raises(ValueError, match="16 sequences does not split into .* = 3 micro-batches"):
         trainer.old_logprobs(params, trainer.shard_batch(batch))
@@ -152,9 +190,9 @@ def test_chunking_errors(setup):
         trainer.old_logprobs(params, trainer.shard_batch(batch))
 
 
-def test_nan_batch_is_skipped_without_touching_params(setup):
-    model, params, batch = setup
-    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
+def test_nan_batch_is_skipped_without_touching_params(setup, step):
+    _, params, batch, _ = setup
+    trainer = step[0]
     state = trainer.init_state(params)
     bad = batch.replace(advantages=np.where(np.arange(len(batch.advantages)) == 3, np.nan, batch.advantages))
     state, (m,) = trainer.train_on_rollouts(state, bad)
@@ -162,18 +200,18 @@ def test_nan_batch_is_skipped_without_touching_params(setup):
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
 
 
-def test_error_token_grad_share(setup):
+def test_error_token_grad_share(setup, step):
     """GRPO without a mismatch correction never reads rollout_logp, so rewriting it flags sequences
     as low-probability without changing the loss: no flag -> share 0, every sequence -> exactly 1,
     half of them -> strictly between, while loss and gradient stay the same."""
-    model, params, batch = setup
+    model, params, batch, _ = setup
     trainer = Trainer(
         model,
         ObjectiveConfig(name="grpo"),
         TrainConfig(error_token_grad_share=True),
-        OptimizerConfig(learning_rate=1e-3),
+        OptimizerConfig(learning_rate=STEP_LR),
     )
-    old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
+    old = np.asarray(step[0].old_logprobs(params, trainer.shard_batch(batch)))
     low = np.where(batch.mask > 0, np.log(1e-4), 0.0).astype(np.float32)
     half = np.arange(len(low))[:, None] % 2 == 0
     shares, norms = [], []
@@ -186,35 +224,27 @@ def test_error_token_grad_share(setup):
     assert norms[0] == norms[1] == norms[2]
 
 
-def test_minibatches_move_the_policy_so_clip_and_band_act(setup):
-    model, params, batch = setup
-    trainer = Trainer(
-        model,
-        ObjectiveConfig(),
-        TrainConfig(num_minibatches=4, ppo_epochs=2),
-        OptimizerConfig(learning_rate=3e-3),
-    )
-    state, history = trainer.train_on_rollouts(
-        trainer.init_state(params), batch, rng=np.random.default_rng(0)
-    )
-    assert len(history) == 8 and int(state.step) == 8
+def test_minibatches_move_the_policy_so_clip_and_band_act(epochs):
+    _, state, history = epochs
+    assert len(history) == 4 and int(state.step) == 4
     assert float(history[0]["ratio_max"]) == 1.0  # the first update sees the old policy
     assert max(float(m["clip_frac"]) + float(m["band_mask_frac"]) for m in history[1:]) > 0
 
 
-def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup):
-    """Aligned, the rollout's log-probs are the old ones: taking them (auto) instead of scoring the
-    batch again gives bitwise the same updates and the same alignment statistics, measured by the
-    first update's forward over its minibatch; naive mode cannot take them."""
-    model, params, batch = setup
-    runs = {}
-    for mode in ("recompute", "auto"):
-        train = TrainConfig(num_minibatches=2, micro_batches=2, old_logprobs=mode, assert_aligned=True)
-        trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(learning_rate=3e-3))
-        rng = np.random.default_rng(1)
-        state, history = trainer.train_on_rollouts(trainer.init_state(params), batch, rng)
-        runs[mode] = (trainer, state, jax.device_get(history))
-    (scoring, slow, slow_history), (skipping, fast, fast_history) = runs["recompute"], runs["auto"]
+def _recompute() -> TrainConfig:
+    return dataclasses.replace(EPOCHS, old_logprobs="recompute")
+
+
+def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup, epochs):
+    """Aligned, the rollout's log-probs are the old ones: taking them (auto, the ``epochs`` run)
+    instead of scoring the batch again gives bitwise the same updates and the same alignment
+    statistics, measured by the first update's forward over its minibatch; naive mode cannot take
+    them."""
+    model, params, batch, _ = setup
+    scoring = Trainer(model, ObjectiveConfig(), _recompute(), OptimizerConfig(learning_rate=EPOCHS_LR))
+    slow, slow_history = scoring.train_on_rollouts(scoring.init_state(params), batch)
+    slow_history = jax.device_get(slow_history)
+    skipping, fast, fast_history = epochs
     assert not scoring._old_from_rollout and skipping._old_from_rollout
     jax.tree.map(np.testing.assert_array_equal, slow.params, fast.params)
     for a, b in zip(slow_history, fast_history, strict=True):
@@ -234,24 +264,18 @@ def test_old_logprobs_from_the_rollout_skip_a_forward_and_change_no_update(setup
 
 
 @pytest.mark.slow
-def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup):
-    """A batch the weights one update old rolled out (asynchronous rollouts): with pi_old the
+def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup, epochs):
+    """A batch the weights 4 updates old rolled out (asynchronous rollouts): with pi_old the
     behaviour policy (auto, aligned) the correction weight is exactly 1 and the drift shows as
     ``staleness_*``; ``behaviour_check`` at the frozen behaviour weights is bitwise aligned; with the
     proximal policy (recompute) the capped weight pi_prox / pi_behav carries the staleness."""
-    model, params, batch = setup
-    make = lambda mode: Trainer(  # noqa: E731
-        model,
-        ObjectiveConfig(),
-        TrainConfig(num_minibatches=2, old_logprobs=mode, assert_aligned=True),
-        OptimizerConfig(learning_rate=3e-3),
-    )
-    behaviour = make("auto")
-    moved, _ = behaviour.train_on_rollouts(behaviour.init_state(params), batch, np.random.default_rng(0))
+    model, params, batch, _ = setup
+    behaviour, moved, _ = epochs
     frozen = quant.quantize_params(params, model.quant)  # what the engine ran
     check = behaviour.behaviour_check(frozen, batch)
     assert check["mismatch_frac_bitwise_equal"] == 1.0 and check["mismatch_kl_k3"] == 0.0
-    for mode, trainer in (("auto", behaviour), ("recompute", make("recompute"))):
+    recompute = Trainer(model, ObjectiveConfig(), _recompute(), OptimizerConfig(learning_rate=EPOCHS_LR))
+    for mode, trainer in (("auto", behaviour), ("recompute", recompute)):
         state = trainer.init_state(moved.params)
         _, history = trainer.train_on_rollouts(state, batch, np.random.default_rng(1), stale=True)
         first = jax.device_get(history[0])
@@ -263,29 +287,33 @@ def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup):
             assert float(first["is_weight_mean"]) != 1.0
 
 
-def test_micro_batches_accumulate_to_the_same_gradient(setup):
-    """Sequence-mean aggregation: the mean of two half-batch gradients is the full-batch gradient."""
-    model, params, batch = setup
-    metrics = []
-    for micro in (1, 2):
-        cfg = ObjectiveConfig(name="grpo", aggregation="seq_mean_token_mean")
-        trainer = Trainer(model, cfg, TrainConfig(micro_batches=micro), OptimizerConfig(learning_rate=1e-3))
-        metrics.append(trainer.train_on_rollouts(trainer.init_state(params), batch)[1][0])
-    for key in ("loss", "grad_norm", "update_ratio"):
-        np.testing.assert_allclose(float(metrics[0][key]), float(metrics[1][key]), rtol=1e-4, atol=1e-7)
+def test_micro_batches_accumulate_to_the_same_gradient(step, micro_step):
+    """TBPO (a mean over sequences): the update accumulated over 4 micro-batches of 4 sequences is
+    the whole batch's, loss, gradient and update to float rounding; the rollout batch's metrics,
+    the first update's forward among them, are the same bits (the kernels are row-invariant)."""
+    _, params, whole = step
+    state, (micro,) = micro_step
+    assert whole.keys() == micro.keys()
+    for key in ("loss", "grad_norm", "update_ratio", "policy_loss", "ratio_max", "is_weight_mean"):
+        np.testing.assert_allclose(float(micro[key]), float(whole[key]), rtol=1e-4, atol=1e-7, err_msg=key)
+    for key in ("policy_entropy", "mismatch_frac_bitwise_equal", "response_len_mean", "truncation_rate"):
+        assert micro[key] == whole[key], key
+    # Adam's first step is ~lr (1e-3) per weight, g / |g| amplifying the rounding of a near-zero
+    # gradient: the two steps agree to 1% of it
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), state.params, params)
 
 
-def test_micro_batches_token_mean_unequal_lengths(setup):
+def test_micro_batches_token_mean_unequal_lengths(setup, step):
     """token_mean over responses of 1..6 tokens and an empty row: the gradient accumulated over 1 and
     4 micro-batches is the same (the token count is the minibatch's, not each micro-batch's; the
     loss-level test covers 1, 2 and 4 for every objective)."""
-    model, params, batch = setup
+    model, params, batch, _ = setup
     lengths = np.arange(batch.num_rows) % 7  # 0 (empty) .. 6 tokens
     start = np.argmax(batch.mask > 0, axis=1)[:, None]
     cols = np.arange(batch.mask.shape[1])[None]
     mask = ((cols >= start) & (cols < start + lengths[:, None])).astype(np.float32)
     trainer = Trainer(model, ObjectiveConfig(name="grpo"), TrainConfig(), OptimizerConfig())
-    old = np.asarray(trainer.old_logprobs(params, trainer.shard_batch(batch)))
+    old = np.asarray(step[0].old_logprobs(params, trainer.shard_batch(batch)))
     mb = trainer.shard_batch(batch.replace(mask=mask, old_logp=old * mask))
     norms = normalisers(mb, trainer.objective)
     grads = [
@@ -302,7 +330,7 @@ def test_micro_batches_token_mean_unequal_lengths(setup):
 def test_accumulate_traces_the_backward_once(setup):
     """The accumulator's shapes and the scan's body share one trace of the forward and backward
     (tracing it is seconds at real depth)."""
-    model, params, batch = setup
+    model, params, batch, _ = setup
     trainer = Trainer(model, ObjectiveConfig(name="grpo"), TrainConfig(), OptimizerConfig())
     mb = trainer.shard_batch(batch.replace(old_logp=batch.rollout_logp))
     traces = []
@@ -315,20 +343,18 @@ def test_accumulate_traces_the_backward_once(setup):
     assert traces == [batch.num_rows // 2]
 
 
-def test_kl_to_the_initial_policy(setup):
-    """kl_coef = 0: no reference copy, no reference scoring, no KL metric. kl_coef > 0: the state
-    keeps the initial weights, frozen; at them the k3 term and its gradient are exactly 0 (the first
-    update is bitwise the kl_coef = 0 one), later updates see KL > 0, and the KL's gradient alone is
-    0 at the reference and, off it, descends back toward it."""
-    model, params, batch = setup
-    train, opt = TrainConfig(num_minibatches=2, ppo_epochs=2), OptimizerConfig(learning_rate=3e-3)
-    plain = Trainer(model, ObjectiveConfig(), train, opt)
-    state = plain.init_state(params)
-    assert state.ref_params is None
-    _, base = plain.train_on_rollouts(state, batch)
+def test_kl_to_the_initial_policy(setup, epochs):
+    """kl_coef = 0 (the ``epochs`` run): no reference copy, no reference scoring, no KL metric.
+    kl_coef > 0: the state keeps the initial weights, frozen; at them the k3 term and its gradient
+    are exactly 0 (the first update is bitwise the kl_coef = 0 one), later updates see KL > 0, and
+    the KL's gradient alone is 0 at the reference and, off it, descends back toward it."""
+    model, params, batch, _ = setup
+    plain, _, base = epochs
+    assert plain.init_state(params).ref_params is None and plain._ref_logprobs is None
     assert "kl_ref" not in base[0]
 
-    kl = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, opt)
+    train = dataclasses.replace(EPOCHS, assert_aligned=False)  # the state moves off the rollout's
+    kl = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, OptimizerConfig(learning_rate=EPOCHS_LR))
     state = kl.init_state(params)
     at_init = kl.shard_batch(batch)
     ref = np.asarray(kl.ref_logprobs(state, at_init)) * batch.mask
@@ -340,15 +366,15 @@ def test_kl_to_the_initial_policy(setup):
     assert all(float(m["kl_ref"]) > 0 for m in history[1:]), [float(m["kl_ref"]) for m in history]
     jax.tree.map(np.testing.assert_array_equal, moved.ref_params, params)
 
-    # the KL term alone (zero advantages): a fresh optimizer on small steps
+    # the KL term alone (zero advantages), a fresh optimizer on small steps: every update 0 at the
+    # reference; off it, the first minibatch's KL falls from its first update to its second (in
+    # the next epoch)
     zero = batch.replace(advantages=np.zeros_like(batch.advantages))
-    pull = Trainer(
-        model, ObjectiveConfig(kl_coef=1.0), TrainConfig(ppo_epochs=2), OptimizerConfig(learning_rate=1e-4)
-    )
+    pull = Trainer(model, ObjectiveConfig(kl_coef=0.5), train, OptimizerConfig(learning_rate=1e-4))
     _, at_ref = pull.train_on_rollouts(pull.init_state(params), zero)
     assert all(float(m["loss"]) == float(m["grad_norm"]) == 0.0 for m in at_ref)
     off = dataclasses.replace(pull.init_state(moved.params), ref_params=moved.ref_params)
-    _, (before, after) = pull.train_on_rollouts(off, zero)
+    _, (before, _, after, _) = pull.train_on_rollouts(off, zero)
     assert float(before["grad_norm"]) > 0 and 0 < float(after["kl_ref"]) < float(before["kl_ref"])
     with pytest.raises(ValueError, match="no ref_logp"):
         pull.update(off, pull.shard_batch(zero.replace(old_logp=zero.rollout_logp)))
@@ -392,16 +418,16 @@ def _assert_kernels_on_local_rows(hlo: str, config, local_seqs: int, batch) -> N
 @pytest.mark.parametrize(
     "mesh_cfg", [sharding.MeshConfig(data=2, fsdp=4), sharding.MeshConfig(data=2, fsdp=2, tensor=2)]
 )
-def test_sharded_step_equals_single_device(setup, mesh_cfg):
+def test_sharded_step_equals_single_device(setup, step, mesh_cfg):
     """Equal to the single-device step, the old log-probs bitwise (the kernels run per device on
     local rows, each row's arithmetic independent of the others); the compiled sharded update (the
     executable that then runs) has its kernel loops inside shard_map on the local batch rows."""
-    model, params, batch = setup
-    single = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3))
-    state, (m,) = single.train_on_rollouts(single.init_state(params), batch)
-    results = [(state.params, m)]
+    model, params, batch, _ = setup
+    single, single_params, m = step
+    results = [(single_params, m)]
     mesh = sharding.make_mesh(mesh_cfg)
-    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(learning_rate=1e-3), mesh=mesh)
+    opt = OptimizerConfig(learning_rate=STEP_LR)
+    trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), opt, mesh=mesh)
     p = jax.device_put(params, sharding.param_shardings(model, mesh))
     old, rollout_metrics = trainer.old_logprobs_and_metrics(p, trainer.shard_batch(batch))
     np.testing.assert_array_equal(old, single.old_logprobs(params, single.shard_batch(batch)))
@@ -428,18 +454,15 @@ def test_sharded_step_equals_single_device(setup, mesh_cfg):
     assert np.mean(diff > 1e-6) < 1e-3 and diff.max() <= 2e-3, (np.mean(diff > 1e-6), diff.max())
 
 
-def test_tbpo_steps_raise_the_reward():
-    model, params = _policy(fmt="w8a8")
-    trainer = Trainer(
-        model, ObjectiveConfig(), TrainConfig(num_minibatches=2), OptimizerConfig(learning_rate=1e-2)
-    )
+def test_tbpo_steps_raise_the_reward(setup, epochs):
+    """Rollouts and TBPO updates in turn (the ``epochs`` trainer, the module's engine) raise the
+    reward of fresh rollouts clearly above the first batch's."""
+    model, params, _, engine = setup
+    trainer = epochs[0]
     state = trainer.init_state(params)
-    engine = RolloutEngine(
-        model, quant.quantize_params(params, model.quant), EngineConfig(slots=8, max_len=PROMPT + NEW)
-    )
     rewards = []
-    for step in range(6):
-        batch, reward = _rollouts(model, state.params, seed=step, engine=engine)
+    for i in range(TBPO_STEPS):
+        batch, reward = _rollouts(model, state.params, seed=i, engine=engine)
         rewards.append(reward)
         state, _ = trainer.train_on_rollouts(state, batch)
     final = np.mean([_rollouts(model, state.params, seed=100 + s, engine=engine)[1] for s in range(2)])

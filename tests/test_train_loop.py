@@ -1,11 +1,15 @@
-"""The training loop on the smoke config: metrics per step, evals, weight sync to the engine."""
+"""The training loop on the smoke config: metrics per step, evals, weight sync to the engine, the
+DAPO data side and a JSONL run's skipped rows. Two runs serve every loop test: the session's
+reference run (tests/smoke_run.py) and one step of a JSONL run with every data-side option on."""
 
 import json
 import pathlib
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
+import smoke_run
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from qarl_jax import quant, sharding
@@ -36,23 +40,23 @@ def scalars(run_dir: pathlib.Path) -> dict[tuple[int, str], float]:
     return {(e.step, v.tag): v.simple_value for e in events(run_dir) for v in e.summary.value}
 
 
-@pytest.mark.slow
-def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
-    # assert_aligned: the trainer raises unless its old log-probs equal the rollout's bit for bit,
-    # which after the first update holds only if the engine got the updated weights
-    config = load_config(SMOKE, [f"run.output_dir={tmp_path}", "run.steps=3", "run.eval_every=2",
-                                 "train.assert_aligned=true", "run.eval_samples=2",
-                                 "run.eval_bf16=true"])  # fmt: skip
-    result = train(config)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    evals = ["eval/accuracy", "eval/response_length", "eval/pass@2", "eval/mean@2"]
-    evals += [k.replace("eval/", "eval_bf16/") for k in evals]
-    for m in (lines[0], lines[2], lines[3]):
-        assert all(0.0 <= m[k] <= 1.0 for k in evals if "length" not in k) and m["eval/response_length"] > 0
-    assert not any(k in lines[1] for k in evals)
+def test_loop_logs_every_step_and_keeps_the_engine_in_sync(reference_run):
+    """The session's reference run (tests/smoke_run.py: 4 steps, evals every 2): every step logged,
+    in metrics.jsonl and TensorBoard alike; the engine kept in sync: each step's first update
+    scores the rollout's log-probs bit for bit (the statistic train.assert_aligned raises on),
+    which after the first update holds only if the engine got the updated weights."""
+    run = reference_run.run
+    config = load_config(run / "config.json")  # JSON is YAML
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = smoke_run.STEPS
+    assert [m["step"] for m in lines] == list(range(steps + 1)) and config.run.steps == steps
+    evals = ["eval/accuracy", "eval/response_length"]
+    for m in lines[:: config.run.eval_every]:  # steps 0, 2, 4
+        assert 0.0 <= m["eval/accuracy"] <= 1.0 and m["eval/response_length"] > 0
+    assert not any(k in m for m in lines[1::2] for k in evals)
     for m in lines[1:]:
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["train/skipped"] == 0.0
+        assert m["train/mismatch_frac_bitwise_equal"] == 1.0 and m["train/mismatch_max_abs_diff"] == 0.0
         assert m["train/is_weight_mean"] == 1.0 and m["response_length"] > 0
         # cut to the shortest of train.length_buckets steps of rollout.max_len holding the longest
         # row, and still aligned (the smoke run's rows are well short of rollout.max_len)
@@ -64,22 +68,50 @@ def test_loop_logs_every_step_and_keeps_the_engine_in_sync(tmp_path):
     expected = {
         (m["step"], k.replace("@", "_")): np.float32(v) for m in lines for k, v in m.items() if k != "step"
     }
-    assert scalars(tmp_path) == expected
-    assert int(result.state.step) == 3  # one optimizer update per step with the default train config
-    assert json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 3
+    assert scalars(run) == expected
+    # one optimizer update per step with the default train config
+    assert int(smoke_run.final_state(reference_run).step) == steps
+
+
+def _write(path: pathlib.Path, rows: list) -> pathlib.Path:
+    path.write_bytes(b"\n".join(r if isinstance(r, bytes) else json.dumps(r).encode() for r in rows) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory) -> tuple[pathlib.Path, Any]:
+    """One step of a JSONL run with a held-out file (``data.eval_path``) and the DAPO data side
+    on (dynamic sampling refilling from the data iterator, at most 2 more rounds; the soft overlong
+    punishment; overlong filtering), aligned (train.assert_aligned raises on a differing bit), with
+    pass@2 and bf16 evals: its directory and config. The files lose rows of every category."""
+    tmp = tmp_path_factory.mktemp("jsonl_run")
+    row = lambda a, b: {"question": f"{a}+{b}=", "answer": f"#### {a + b}"}
+    train_file = _write(tmp / "train.jsonl", [row(a, b) for a in range(4) for b in range(4)] + [b"nope"])
+    long = {"question": "1+" * 20 + "1=", "answer": "#### 21"}  # 42 tokens > data.max_prompt_tokens
+    bad = [b"{broken", {"q": 1}, [1], b"\xff\xfe", {"question": " ", "answer": "#### 1"}]
+    eval_file = _write(tmp / "eval.jsonl", [row(5, 1), row(6, 2), long, row(7, 3), *bad, row(8, 4)])
+    config = load_config(SMOKE, [f"run.output_dir={tmp / 'run'}", "run.steps=1", "run.eval_prompts=4",
+                                 "run.tensorboard=false", "data.source=jsonl", f"data.path={train_file}",
+                                 f"data.eval_path={eval_file}", "rollout.dynamic_sampling=true",
+                                 "rollout.max_resample_rounds=2", "rollout.overlong_buffer=16",
+                                 "objective.overlong_filter=true", "train.assert_aligned=true",
+                                 "run.eval_samples=2", "run.eval_bf16=true"])  # fmt: skip
+    result = train(config)
+    assert json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[1]) == result.summary["final"]
+    return tmp / "run", config
+
+
+def _lines(run: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_loop_with_dapo_data_side(tmp_path):
-    """Dynamic sampling (refills from the data iterator, at most 2 more rounds), the soft overlong
-    punishment and overlong filtering, all on: the loop runs, logs the dynamic-sampling counts and
-    keeps the rewards it reports the grader's (in [0, 1], the penalty only in the advantages)."""
-    config = load_config(SMOKE, [f"run.output_dir={tmp_path}", "run.steps=1", "run.tensorboard=false",
-                                 "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=2",
-                                 "rollout.overlong_buffer=16", "objective.overlong_filter=true"])  # fmt: skip
-    train(config)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    for m in lines[1:]:
+def test_loop_with_dapo_data_side(jsonl_run):
+    """Dynamic sampling, the soft overlong punishment and overlong filtering, all on: the loop runs,
+    logs the dynamic-sampling counts and keeps the rewards it reports the grader's (in [0, 1], the
+    penalty only in the advantages)."""
+    run, config = jsonl_run
+    for m in _lines(run)[1:]:
         assert all(np.isfinite(v) for v in m.values())
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["dynamic/resample_rounds"] <= 2
         assert 0 <= m["dynamic/missing_groups"] <= config.data.batch_size
@@ -89,27 +121,11 @@ def test_loop_with_dapo_data_side(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipped_rows_of_training_and_held_out_files_are_both_in_the_metrics(tmp_path):
-    """A JSONL run with a held-out file (``data.eval_path``): the rows each file loses are counted
-    by category, the training file's as ``data/skipped_*``, the held-out file's as
-    ``data/eval_skipped_*`` (the too-long prompt is met while the held-out batch is drawn)."""
-
-    def write(name: str, rows: list) -> pathlib.Path:
-        lines = [r if isinstance(r, bytes) else json.dumps(r).encode() for r in rows]
-        (tmp_path / name).write_bytes(b"\n".join(lines) + b"\n")
-        return tmp_path / name
-
-    row = lambda a, b: {"question": f"{a}+{b}=", "answer": f"#### {a + b}"}
-    train_file = write("train.jsonl", [row(a, b) for a in range(4) for b in range(4)] + [b"nope"])
-    long = {"question": "1+" * 20 + "1=", "answer": "#### 21"}  # 42 tokens > data.max_prompt_tokens
-    bad = [b"{broken", {"q": 1}, [1], b"\xff\xfe", {"question": " ", "answer": "#### 1"}]
-    eval_file = write("eval.jsonl", [row(5, 1), row(6, 2), long, row(7, 3), *bad, row(8, 4)])
-    config = load_config(SMOKE, [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "run.eval_prompts=4",
-                                 "run.tensorboard=false", "data.source=jsonl", f"data.path={train_file}",
-                                 f"data.eval_path={eval_file}"])  # fmt: skip
-    result = train(config)
-    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
-    assert step == result.summary["final"]
+def test_skipped_rows_of_training_and_held_out_files_are_both_in_the_metrics(jsonl_run):
+    """The rows each file loses are counted by category, the training file's as
+    ``data/skipped_*``, the held-out file's as ``data/eval_skipped_*`` (the too-long prompt is met
+    while the held-out batch is drawn)."""
+    step = _lines(jsonl_run[0])[1]
     assert {k: v for k, v in step.items() if k.startswith("data/")} == {
         "data/skipped_malformed": 1,
         "data/skipped_too_long": 0,
@@ -120,6 +136,18 @@ def test_skipped_rows_of_training_and_held_out_files_are_both_in_the_metrics(tmp
         "data/eval_skipped_empty": 1,
         "data/eval_skipped_undecodable": 1,
     }
+
+
+@pytest.mark.slow
+def test_the_loop_logs_pass_at_k_and_the_bf16_eval_before_and_after(jsonl_run):
+    """run.eval_samples and run.eval_bf16: the evals before the first step and after the last log
+    greedy accuracy, length, pass@2 and mean@2 of the deployed policy and of its bf16 masters."""
+    lines = _lines(jsonl_run[0])
+    evals = ["eval/accuracy", "eval/response_length", "eval/pass@2", "eval/mean@2"]
+    evals += [k.replace("eval/", "eval_bf16/") for k in evals]
+    for m in lines:
+        assert all(0.0 <= m[k] <= 1.0 for k in evals if "length" not in k) and m["eval/response_length"] > 0
+        assert m["eval/mean@2"] <= m["eval/pass@2"] and m["eval_bf16/mean@2"] <= m["eval_bf16/pass@2"]
 
 
 def test_evals_repeat_and_bf16_eval_of_a_bf16_run_equals_the_deployed_eval():

@@ -1,5 +1,7 @@
 """Invariant attention (CPU path): float64 reference, and a token's output bitwise the same in a
-packed full-sequence call and in decode over KV caches of other lengths and batch sizes."""
+packed full-sequence call and in decode over KV caches of other lengths and batch sizes. Each
+kernel call is its own jitted program (as the rollout's and the training's are); the operands are
+numpy arrays, so slicing them compiles nothing (op by op, each slice of a JAX array was a program)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,17 @@ from kernels_pallas.attention import attention, reference_attention, reference_a
 H, KV, D = 4, 2, 32
 
 
-def qkv(b: int, t: int, seed: int = 0, s: int | None = None):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    s = s or t
-    return (
-        jax.random.normal(ks[0], (b, t, H, D)),
-        jax.random.normal(ks[1], (b, s, KV, D)),
-        jax.random.normal(ks[2], (b, s, KV, D)),
+def qkv(b: int, t: int, seed: int = 0, s: int | None = None, heads=(H, KV), d: int = D, dtype=np.float32):
+    """Random q [b, t, heads, d], k and v [b, s, kv heads, d] (numpy)."""
+    rng = np.random.default_rng(seed)
+    s, (h, kv) = s or t, heads
+    return tuple(
+        rng.standard_normal(shape, np.float32).astype(dtype) for shape in ((b, t, h, d), *[(b, s, kv, d)] * 2)
     )
+
+
+def positions(b: int, t: int) -> np.ndarray:
+    return np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
 
 
 def packed_row(lens: list[int], t: int):
@@ -32,10 +37,11 @@ def packed_row(lens: list[int], t: int):
         pos[o : o + n], seg[o : o + n] = np.arange(n), i + 1
         o += n
     starts = np.arange(t, dtype=np.int32) - pos
-    return (jnp.asarray(a[None]) for a in (pos, starts, seg))
+    return (a[None] for a in (pos, starts, seg))
 
 
 ATTN = jax.jit(attention, static_argnames=("block_kv",))
+REFERENCE = jax.jit(reference_attention)
 
 
 def test_packed_full_matches_f64_reference():
@@ -45,7 +51,7 @@ def test_packed_full_matches_f64_reference():
     ref = reference_attention_f64(q, k, v, pos, starts, seg, seg)
     np.testing.assert_allclose(out[:, :67], ref[:, :67], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        out, np.asarray(reference_attention(q, k, v, pos, starts, seg, seg)), rtol=1e-5, atol=1e-5
+        out, np.asarray(REFERENCE(q, k, v, pos, starts, seg, seg)), rtol=1e-5, atol=1e-5
     )
 
 
@@ -57,19 +63,18 @@ def test_decode_over_cache_equals_packed_full_bitwise(block_kv):
     pos, starts, seg = packed_row([7, 40, 20], 70)
     full = np.asarray(ATTN(q, k, v, pos, starts, seg, seg, block_kv=block_kv))[0, 7:47]
     cq, ck, cv = qkv(3, 40, seed=1, s=96)
-    ck, cv = ck.at[1, :40].set(k[0, 7:47]), cv.at[1, :40].set(v[0, 7:47])
-    cq = cq.at[1].set(q[0, 7:47])
+    ck[1, :40], cv[1, :40], cq[1] = k[0, 7:47], v[0, 7:47], q[0, 7:47]
     for t in (0, 1, 15, 16, 17, 39):
-        step_pos = jnp.asarray([[5], [t], [60]], jnp.int32)
+        step_pos = np.asarray([[5], [t], [60]], np.int32)
         out = np.asarray(ATTN(cq[:, t : t + 1], ck, cv, step_pos, block_kv=block_kv))
         np.testing.assert_array_equal(out[1, 0], full[t])
-    prefill = np.asarray(ATTN(cq[1:2], ck[1:2, :64], cv[1:2, :64], jnp.arange(40)[None], block_kv=block_kv))
+    prefill = np.asarray(ATTN(cq[1:2], ck[1:2, :64], cv[1:2, :64], positions(1, 40), block_kv=block_kv))
     np.testing.assert_array_equal(prefill[0], full)
 
 
 def test_rows_invariant_to_batch_and_neighbours():
     q, k, v = qkv(5, 33, seed=2)
-    pos = jnp.broadcast_to(jnp.arange(33), (5, 33))
+    pos = positions(5, 33)
     full = np.asarray(ATTN(q, k, v, pos))
     np.testing.assert_array_equal(np.asarray(ATTN(q[2:3], k[2:3], v[2:3], pos[2:3])), full[2:3])
     np.testing.assert_array_equal(np.asarray(ATTN(q[:, 20:21], k, v, pos[:, 20:21])), full[:, 20:21])
@@ -89,11 +94,9 @@ def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
     """A tensor-parallel device holds some of the heads (or one kv head shared by several devices):
     each head's bits must be those of the whole-model call, in f32 as in bf16 (with the heads a batch
     axis of the kernel's dots, XLA:CPU's f32 code changed with their number: these shapes differed)."""
-    ks = jax.random.split(jax.random.key(7), 3)
-    q = jax.random.normal(ks[0], (3, t, heads, d), dtype)
-    k, v = (jax.random.normal(kk, (3, t, kv, d), dtype) for kk in ks[1:])
-    pos = jnp.broadcast_to(jnp.arange(t), (3, t))
-    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    q, k, v = qkv(3, t, seed=7, heads=(heads, kv), d=d, dtype=dtype)
+    pos = positions(3, t)
+    f32 = lambda a: np.asarray(a).astype(np.float32)
     full = f32(ATTN(q, k, v, pos))
     for devices in (2, kv):  # each device kv / devices kv heads and their q heads
         hq, hk = heads // devices, kv // devices
@@ -107,7 +110,7 @@ def test_heads_invariant_to_their_neighbours(heads, kv, d, t, dtype):
     if heads % (2 * kv):
         return
     # 2 x kv devices: each kv head repeated over the two that share it
-    rep = f32(ATTN(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), pos))
+    rep = f32(ATTN(q, np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2), pos))
     hq = heads // (2 * kv)
     for i in range(2 * kv):
         qs, kvs = slice(hq * i, hq * (i + 1)), slice(i // 2, i // 2 + 1)
@@ -122,10 +125,9 @@ def test_one_row_over_one_key_block(kv):
     head, or an MHA model, prefilling one short prompt). A key array of one row and one block made
     every key slice the whole array, which XLA:CPU compiled into other f32 dot code: these rows
     differed (issue 37: f32 rollouts with kv heads replicated over tensor 4 lost the bits)."""
-    ks = jax.random.split(jax.random.key(8), 3)
     t = 20  # < one block of keys (default_block_kv: 32)
-    q, k, v = (jax.random.normal(kk, (3, t, kv, D), jnp.float32) for kk in ks)
-    pos = jnp.broadcast_to(jnp.arange(t), (3, t))
+    q, k, v = qkv(3, t, seed=8, heads=(kv, kv))
+    pos = positions(3, t)
     full = np.asarray(ATTN(q, k, v, pos))
     np.testing.assert_array_equal(np.asarray(ATTN(q[1:2], k[1:2], v[1:2], pos[1:2])), full[1:2])
     step = ATTN(q[1:2, -1:], k[1:2], v[1:2], pos[1:2, -1:])
@@ -135,9 +137,10 @@ def test_one_row_over_one_key_block(kv):
 def test_masked_keys_contribute_nothing():
     """Garbage (even huge values) in keys the query must not see leaves its bits unchanged."""
     q, k, v = qkv(1, 40, seed=3)
-    pos = jnp.arange(40)[None]
+    pos = positions(1, 40)
     base = np.asarray(ATTN(q[:, :20], k, v, pos[:, :20]))
-    k2, v2 = k.at[:, 20:].set(1e4), v.at[:, 20:].set(-1e4)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 20:], v2[:, 20:] = 1e4, -1e4
     np.testing.assert_array_equal(np.asarray(ATTN(q[:, :20], k2, v2, pos[:, :20])), base)
 
 
@@ -145,16 +148,14 @@ def test_masked_keys_contribute_nothing():
 def test_gradients_match_reference():
     q, k, v = qkv(2, 12, seed=4)
     pos, starts, seg = packed_row([5, 6], 12)
-    pos, starts, seg = (jnp.broadcast_to(a, (2, 12)) for a in (pos, starts, seg))
+    pos, starts, seg = (np.broadcast_to(a, (2, 12)) for a in (pos, starts, seg))
 
-    def loss(f):
-        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, pos, starts, seg, seg)))
+    def grads(f):  # one jitted program (op by op, the backward compiled dozens)
+        return jax.jit(
+            jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, pos, starts, seg, seg))), (0, 1, 2))
+        )
 
-    for a, b in zip(
-        jax.grad(loss(attention), (0, 1, 2))(q, k, v),
-        jax.grad(loss(reference_attention), (0, 1, 2))(q, k, v),
-        strict=True,
-    ):
+    for a, b in zip(grads(attention)(q, k, v), grads(reference_attention)(q, k, v), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
@@ -162,7 +163,7 @@ def test_gradients_match_reference():
 def test_invariance_check_can_fail():
     """Negative control: another key-block size is another summation order, and the bits show it."""
     q, k, v = qkv(2, 64, seed=5)
-    pos = jnp.broadcast_to(jnp.arange(64), (2, 64))
+    pos = positions(2, 64)
     assert not np.array_equal(
         np.asarray(ATTN(q, k, v, pos, block_kv=16)), np.asarray(ATTN(q, k, v, pos, block_kv=32))
     )

@@ -4,6 +4,7 @@ compiled memory (no [T, S] scores)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -47,10 +48,22 @@ CASES = {
 }
 
 
+def _vjp(f, q, k, v, g):
+    """f's output at (q, k, v) and its VJP at g, as one jitted program (op by op, the backward
+    compiled dozens of small programs)."""
+
+    def both(q, k, v, g):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(g)
+
+    return jax.jit(both)(q, k, v, g)
+
+
+@functools.cache
 def _dense_vjp(case):
     (q, k, v, g), pos, starts, seg = CASES[case]()
-    out, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, pos, starts, seg, seg), q, k, v)
-    return (q, k, v, g, out, pos, starts, seg), vjp(g)
+    out, want = _vjp(lambda q, k, v: reference_attention(q, k, v, pos, starts, seg, seg), q, k, v, g)
+    return (q, k, v, g, out, pos, starts, seg), want
 
 
 @pytest.mark.parametrize("blocks", slow_but([(8, 8), (4, 16), (64, 64)], (4, 16), (64, 64)))
@@ -70,8 +83,8 @@ def test_kernel_custom_vjp_matches_the_dense_formula(case):
     """Through ``attention``'s custom VJP (forward: the invariant kernel; default blocks): one
     unpacked sequence with 2 heads of 2, and 5 queries over a 24-key cache (starts None)."""
     (q, k, v, g, _, pos, starts, seg), want = _dense_vjp(case)
-    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, pos, starts, seg, seg), q, k, v)
-    for a, b in zip(vjp(g), want, strict=True):
+    _, got = _vjp(lambda q, k, v: attention(q, k, v, pos, starts, seg, seg), q, k, v, g)
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
 
@@ -82,9 +95,9 @@ def test_bf16_gradients_close_to_f32():
     def f(q, k, v):
         return attention(q, k, v, pos, starts, seg, seg)
 
-    want = jax.vjp(f, q, k, v)[1](g)
-    low = [a.astype(jnp.bfloat16) for a in (q, k, v)]
-    got = jax.vjp(f, *low)[1](g.astype(jnp.bfloat16))
+    want = _vjp(f, q, k, v, g)[1]
+    low = [a.astype(jnp.bfloat16) for a in (q, k, v, g)]
+    got = _vjp(f, *low)[1]
     for a, b in zip(got, want, strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05)
@@ -94,10 +107,11 @@ def test_finite_differences():
     """<grad, u> against central differences of sum(sin(attention)) along a random direction."""
     (q, k, v, _), pos, starts, seg = CASES["packed"]()
 
+    @jax.jit
     def loss(q, k, v):
         return jnp.sum(jnp.sin(attention(q, k, v, pos, starts, seg, seg)))
 
-    grads = jax.grad(loss, (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
     dirs = [jax.random.normal(jax.random.key(i + 10), a.shape) for i, a in enumerate((q, k, v))]
     eps = 1e-2
     plus = loss(*(a + eps * u for a, u in zip((q, k, v), dirs, strict=True)))

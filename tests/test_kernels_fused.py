@@ -22,7 +22,10 @@ BLOCK = 16
 def _weights(fmt: str):
     w = jax.random.normal(jax.random.key(1), (K, N), jnp.float32) * 0.1
     group = 32 if fmt.startswith("w4") else None
-    return {"scale": jnp.linspace(0.5, 1.5, K), "w": w if fmt == "bf16" else quantize(w, fmt, group)}
+    return {"scale": jnp.linspace(0.5, 1.5, K), "w": w if fmt == "bf16" else QUANTIZE(w, fmt, group)}
+
+
+QUANTIZE = jax.jit(quantize, static_argnums=(1, 2))  # one program, not one per op
 
 
 def _chain(x, pos, p):
@@ -35,9 +38,9 @@ def _chain(x, pos, p):
 
 
 def _inputs(m: int = 70):
-    x = jax.random.normal(jax.random.key(0), (m, K), jnp.float32)
-    pos = jnp.asarray(np.random.default_rng(2).integers(0, 3000, m), jnp.int32)
-    return x, pos
+    """Rows and their positions, numpy (slicing them compiles nothing; each program is the test's)."""
+    x = np.random.default_rng(0).standard_normal((m, K), np.float32)
+    return x, np.random.default_rng(2).integers(0, 3000, m).astype(np.int32)
 
 
 @pytest.mark.parametrize("fmt", slow_but(["bf16", "w8a8", "w4a16"], "w4a16"))
@@ -68,6 +71,12 @@ def test_fused_chain_is_one_loop():
     assert unfused.lower(x, pos).compile().as_text().count(" while(") == 3
 
 
+def _grads(f, x, pos, p):
+    """The gradient of sum(sin(f(x, pos, p))) in x and p, one jitted program (op by op, the
+    backward compiled dozens of small ones)."""
+    return jax.jit(jax.grad(lambda x, p: jnp.sum(jnp.sin(f(x, pos, p)[0])), argnums=(0, 1)))(x, p)
+
+
 @pytest.mark.parametrize("backward_rows", slow_but([None, 8, 20, 64], 8, 20, 64))
 def test_fused_gradient_is_the_chains(backward_rows):
     """The backward differentiates the chain itself (straight-through for the matmul), over chunks
@@ -75,10 +84,9 @@ def test_fused_gradient_is_the_chains(backward_rows):
     chunk), the weights' cotangents summed over the chunks."""
     x, pos = _inputs(20)
     p = _weights("bf16")
-    loss = lambda f: lambda x, p: jnp.sum(jnp.sin(f(x, pos, p)[0]))
     fused = lambda x, pos, p: fused_rows(_chain, (x, pos), p, block_rows=BLOCK, backward_rows=backward_rows)
-    gx, gp = jax.grad(loss(fused), argnums=(0, 1))(x, p)
-    rx, rp = jax.grad(loss(_chain), argnums=(0, 1))(x, p)
+    gx, gp = _grads(fused, x, pos, p)
+    rx, rp = _grads(_chain, x, pos, p)
     # a chunk's forward runs its block programs on the chunk's rows, not on all 20: an f32 ulp in a
     # normed row can flip its bf16 rounding at the matmul's input (2^-8 of one term of dw's sums)
     atol = 1e-5 if backward_rows in (None, 20, 64) else 2e-4
@@ -104,11 +112,12 @@ def test_chunked_gradient_matches_finite_differences():
             y = rowwise.rope((h @ p["w"]).reshape(-1, HEADS, D), pos, 1e4).reshape(-1, N)
             return (jnp.tanh(y),)
 
+        @jax.jit
         def f(x, w):
             out = fused_rows(chain, (x, pos), {"scale": scale, "w": w}, block_rows=4, backward_rows=8)[0]
             return jnp.sum(jnp.cos(jnp.arange(out.size).reshape(out.shape)) * out.astype(jnp.float64))
 
-        gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
+        gx, gw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
         eps_x, eps_w = 1e-2, 1e-4  # the norm runs in f32: x's differences need the larger step
         for seed in range(3):
             vx = jax.random.normal(jax.random.key(10 + seed), x.shape, jnp.float64)

@@ -22,6 +22,7 @@ def assert_row_invariant(f, *args):
     """Every prefix of the rows (1 row, one block, block edges) gives the full call's row bits, and
     so does a permutation of the rows. (One prefix a path: a part block, one short of a block, a
     whole block, one past it; the full call's M = 150 is whole blocks and a part one.)"""
+    args = [np.asarray(a) for a in args]  # numpy: slicing compiles nothing (each call is f's program)
     full = np.asarray(f(*args))
     for m in (1, 63, 64, 65):
         np.testing.assert_array_equal(np.asarray(f(*(a[:m] for a in args))), full[:m])
@@ -100,12 +101,13 @@ def test_gradients_match_reference():
         z = rowwise.reference_rms_norm(x, w, 1e-6) / 0.8
         return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(z), t[:, None], 1) ** 2)
 
-    for a, b in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w), strict=True):
+    grads = lambda f: jax.jit(jax.grad(f, (0, 1)))(x, w)  # one program (op by op: dozens)
+    for a, b in zip(grads(ours), grads(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     xr = rows(m=5, n=2 * 16).reshape(5, 2, 16)
     pos = jnp.arange(5) * 3
-    g1 = jax.grad(lambda x: jnp.sum(jnp.sin(rowwise.rope(x, pos, 100.0))))(xr)
-    g2 = jax.grad(lambda x: jnp.sum(jnp.sin(rowwise.reference_rope(x, pos, 100.0))))(xr)
+    g1 = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(rowwise.rope(x, pos, 100.0)))))(xr)
+    g2 = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(rowwise.reference_rope(x, pos, 100.0)))))(xr)
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-6)
 
 

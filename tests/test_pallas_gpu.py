@@ -3,11 +3,13 @@ in Pallas interpret mode against reference_matmul and for row-wise batch invaria
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_cases import MatmulCases, f32_bound
+from pallas_cases import MatmulCases, f32_bound, one_program, random_weight
 from tiers import slow_but
 
 from kernels_pallas import formats
@@ -35,22 +37,52 @@ def test_grouped_lowers_for_cuda_through_triton(fmt):
     assert CASES.lowers(lambda x, w, s: CASES.grouped(x, w, s, interpret=False), x, w, sizes)
 
 
+KNOBS = {  # the decode knobs: fixed split-K (partials summed in split order), swapped operands,
+    # integer dots through bf16
+    "split2": dict(split_k=2),
+    "split4-swap-bf16dot": dict(split_k=4, swap_ab=True, int_dot="bf16"),
+}
+PREFIXES = {"": (1, 16, 17), **dict.fromkeys(KNOBS, (1, 17))}  # a part block, a whole one, one past it
+
+
+@functools.cache
+def dense_runs(fmt: str) -> dict[str, dict[str, np.ndarray]]:
+    """Every interpreted dense call this module checks for ``fmt``, in one program (see
+    pallas_cases): for the test tiling ("") and each knob set, 40 rows and their prefixes; for the
+    test tiling also the rows permuted and row 0 among 7 other rows. Each is its own kernel launch
+    at its own M."""
+    x = acts(40, seed=3)
+    perm = np.random.default_rng(0).permutation(40)
+    other = acts(8, seed=4).at[3].set(x[0])
+
+    def calls(x, xp, other, w):
+        out = {}
+        for name, prefixes in PREFIXES.items():
+            mm = functools.partial(CASES.matmul, w=w, out_dtype=jnp.float32, **KNOBS.get(name, {}))
+            out[name] = {"full": mm(x), **{f"m{m}": mm(x[:m]) for m in prefixes}}
+        mm = functools.partial(CASES.matmul, w=w, out_dtype=jnp.float32)
+        out[""].update(perm=mm(xp), other=mm(other))
+        return out
+
+    runs = one_program(calls, x, x[perm], other, weight(fmt))
+    runs[""].update(x=np.asarray(x), perm_index=perm)
+    return runs
+
+
 @pytest.mark.parametrize("fmt", slow_but(["bf16", "w4a16", "w4a8", "fp8"], "w4a16"))
 def test_float_formats_match_reference(fmt):
-    x, w = acts(5), weight(fmt)
-    y = run(x, w)
-    ref = reference_matmul(np.asarray(x), w)
-    assert np.all(np.abs(y - ref) <= f32_bound(x, w) + 1e-30)
+    runs, w = dense_runs(fmt)[""], weight(fmt)
+    ref = reference_matmul(runs["x"], w)
+    assert np.all(np.abs(runs["full"] - ref) <= f32_bound(runs["x"], w) + 1e-30)
 
 
 def test_w8a8_is_exact_int32_accumulation():
-    x, w = acts(5), weight("w8a8")
-    y = run(x, w)
-    xq, sx = (np.asarray(a) for a in formats.quantize_activations(x))
+    runs, w = dense_runs("w8a8")[""], weight("w8a8")
+    xq, sx = (np.asarray(a) for a in formats.quantize_activations(jnp.asarray(runs["x"])))
     acc = xq.astype(np.int64) @ np.asarray(w.values, np.int64)
     want = (acc.astype(np.float32) * sx) * np.asarray(w.scales)
-    np.testing.assert_array_equal(y, want)
-    np.testing.assert_allclose(y, reference_matmul(np.asarray(x), w), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(runs["full"], want)
+    np.testing.assert_allclose(runs["full"], reference_matmul(runs["x"], w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -69,36 +101,28 @@ def test_padding_of_n_and_k():
 
 @pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
 def test_rows_bitwise_invariant_to_m_and_neighbours(fmt):
-    w = weight(fmt)
-    x = acts(40, seed=3)
-    full = run(x, w)
-    for m in (1, 16, 17):  # a part block, a whole one, one past it
-        np.testing.assert_array_equal(run(x[:m], w), full[:m])
-    perm = np.random.default_rng(0).permutation(40)
-    np.testing.assert_array_equal(run(x[perm], w), full[perm])
-    other = acts(8, seed=4).at[3].set(x[0])
-    np.testing.assert_array_equal(run(other, w)[3], full[0])
+    runs = dense_runs(fmt)[""]
+    full = runs["full"]
+    for m in PREFIXES[""]:
+        np.testing.assert_array_equal(runs[f"m{m}"], full[:m])
+    np.testing.assert_array_equal(runs["perm"], full[runs["perm_index"]])
+    np.testing.assert_array_equal(runs["other"][3], full[0])
 
 
 @pytest.mark.slow
 def test_invariance_check_can_fail():
     """Negative control: another K tiling changes the summation order, and the bits show it."""
-    w = weight("bf16")
-    x = acts(16, seed=5)
-    assert not np.array_equal(run(x, w, block_k=32), run(x, w, block_k=128))
+    by_32, by_128 = one_program(
+        lambda x, w: [CASES.matmul(x, w, out_dtype=jnp.float32, block_k=bk) for bk in (32, 128)],
+        acts(16, seed=5),
+        weight("bf16"),
+    )
+    assert not np.array_equal(by_32, by_128)
 
 
-def grouped_reference(x, w, sizes):
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    ref = np.zeros((x.shape[0], w.n))
-    for e in range(len(sizes)):
-        rows = slice(starts[e], starts[e + 1])
-        ref[rows] = reference_matmul(np.asarray(x[rows]), jax.tree.map(lambda a, e=e: a[e], w))
-    return ref
-
-
-def run_grouped(x, w, sizes, **kw):
-    return np.asarray(CASES.grouped(x, w, sizes, out_dtype=jnp.float32, **kw))
+def grouped(x, w, sizes, **kw):
+    """The interpreted grouped kernel (the test tiling, ``kw`` over it), f32 out."""
+    return CASES.grouped(x, w, sizes, out_dtype=jnp.float32, **kw)
 
 
 @pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
@@ -106,20 +130,23 @@ def test_grouped_matches_reference_and_is_invariant(fmt):
     w = weight(fmt, shape=(4, K, N), seed=7)
     sizes = [7, 0, 20, 5]
     x = acts(35, seed=8)  # 3 rows past the groups
-    y = run_grouped(x, w, sizes)
-    ref = grouped_reference(x, w, sizes)
+    # expert 2's rows, behind a different number of expert-0 rows and different neighbours
+    x2 = jnp.concatenate([acts(18, seed=9), x[7:27], acts(2, seed=10)])
+    y, y2 = one_program(lambda x, x2, w: (grouped(x, w, sizes), grouped(x2, w, [18, 0, 20, 2])), x, x2, w)
+    ref = CASES.grouped_reference(x, w, sizes)
     tol = 1e-5 if fmt == "w8a8" else K * 2.0**-23 * 4
     np.testing.assert_allclose(y, ref, rtol=tol, atol=tol)
     assert np.all(y[32:] == 0)
-    # expert 2's rows, behind a different number of expert-0 rows and different neighbours
-    y2 = run_grouped(jnp.concatenate([acts(18, seed=9), x[7:27], acts(2, seed=10)]), w, [18, 0, 20, 2])
     np.testing.assert_array_equal(y2[18:38], y[7:27])
+
+
+GROUP_TILES = jax.jit(group_tiles, static_argnums=(1, 2))
 
 
 @pytest.mark.parametrize("sizes", [[0, 0, 0], [16, 0, 0], [1, 1, 30], [3, 13, 16]])
 def test_group_tiles_cover_each_row_once(sizes):
     m, bm = 40, 16
-    e, rb, lo, hi = (np.asarray(a) for a in group_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
+    e, rb, lo, hi = (np.asarray(a) for a in GROUP_TILES(jnp.asarray(sizes, jnp.int32), m, bm))
     assert len(e) == 3 + 3 - 1 and np.all(np.diff(rb) >= 0)
     owner = np.full(m, -1)
     for t in range(len(e)):
@@ -141,7 +168,7 @@ def test_errors_are_clear():
         CASES.matmul(acts(2), w, block_n=48)
     with pytest.raises(TypeError, match="QuantizedWeight"):
         CASES.matmul(acts(2), jnp.ones((K, N)))
-    odd = formats.quantize(jax.random.normal(jax.random.key(0), (96, N)), "w4a16", 48)
+    odd = formats.QuantizedWeight(jnp.zeros((48, N), jnp.int8), jnp.ones((2, N)), "w4a16", 48)
     with pytest.raises(ValueError, match="group size"):
         CASES.matmul(acts(2, k=96), odd)
     with pytest.raises(ValueError, match=r"\[E, K, N\]"):
@@ -151,44 +178,37 @@ def test_errors_are_clear():
         CASES.grouped(acts(2), w3, [2, 0, 0])
 
 
-KNOBS = [
-    dict(split_k=2),
-    dict(split_k=4, swap_ab=True, int_dot="bf16"),
-]
-
-
 @pytest.mark.parametrize("fmt", slow_but(formats.FORMATS, "w4a16"))
-@pytest.mark.parametrize("knobs", KNOBS, ids=["split2", "split4-swap-bf16dot"])
+@pytest.mark.parametrize("knobs", KNOBS)
 def test_decode_knobs_match_reference_and_keep_rows_invariant(fmt, knobs):
     """Fixed split-K (partials summed in split order), swapped operands, integer dots through bf16."""
-    w = weight(fmt)
-    x = acts(40, seed=3)
-    full = run(x, w, **knobs)
-    ref = reference_matmul(np.asarray(x[:5]), w)
+    runs, w = dense_runs(fmt), weight(fmt)
+    x, full = runs[""]["x"], runs[knobs]["full"]
     if fmt == "w8a8":
-        np.testing.assert_array_equal(full, run(x, w))  # int32 accumulation: tiling cannot matter
+        np.testing.assert_array_equal(full, runs[""]["full"])  # int32 accumulation: tiling cannot matter
     else:
-        assert np.all(np.abs(full[:5] - ref) <= f32_bound(x[:5], w) + 1e-30)
-    for m in (1, 17):
-        np.testing.assert_array_equal(run(x[:m], w, **knobs), full[:m])
+        assert np.all(np.abs(full - reference_matmul(x, w)) <= f32_bound(x, w) + 1e-30)
+    for m in PREFIXES[knobs]:
+        np.testing.assert_array_equal(runs[knobs][f"m{m}"], full[:m])
 
 
 @pytest.mark.slow
 def test_int4_group_longer_than_a_step():
     """Groups spanning several K steps (inner loop over chunks of one group) stay exact-ish and invariant."""
-    wf = jax.random.normal(jax.random.key(6), (K, N), jnp.float32) * 0.1
-    w = formats.quantize(wf, "w4a16", 128)  # one group over all of K, block_k 32: 4 chunks
+    w = random_weight("w4a16", (K, N), 6, jnp.float32, 128)  # one group over all of K, block_k 32: 4 chunks
     x = acts(20, seed=2)
-    full = run(x, w, block_k=32, split_k=1)
+    mm = functools.partial(CASES.matmul, out_dtype=jnp.float32, block_k=32, split_k=1)
+    full, one = one_program(lambda x, w: (mm(x, w), mm(x[:1], w)), x, w)
     ref = reference_matmul(np.asarray(x), w)
     assert np.all(np.abs(full - ref) <= f32_bound(x, w) + 1e-30)
-    np.testing.assert_array_equal(run(x[:1], w, block_k=32, split_k=1), full[:1])
+    np.testing.assert_array_equal(one, full[:1])
 
 
 @pytest.mark.parametrize("fmt", slow_but(["w8a8", "w4a16", "fp8"], "w4a16"))
 def test_decode_knobs_lower_for_cuda(fmt):
     x, w = acts(16, dtype=jnp.bfloat16), weight(fmt, dtype=jnp.bfloat16)
-    assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False, **KNOBS[1]), x, w)
+    knobs = KNOBS["split4-swap-bf16dot"]
+    assert CASES.lowers(lambda x, w: CASES.matmul(x, w, interpret=False, **knobs), x, w)
 
 
 def test_gpu_blocks_fill_the_sms_and_read_the_tuned_table(monkeypatch):

@@ -1,20 +1,22 @@
 """The GPU kernels' decode variants (issue 54), in Pallas' interpreter and lowered for CUDA: the
 magic-number int4 dequantization (the shift path's values, so the same bits), split-K with bigger
 N tiles and deeper pipelines, and the grouped (MoE) kernel's split-K. Each keeps the contract: within
-the float64 bound, w8a8 bit-exact, a row's bits the same at M = 1, 3 and 16."""
+the float64 bound, w8a8 bit-exact, a row's bits the same at M = 1, 3 and 16. A test's interpreted
+calls run as one program (see pallas_cases), each its own kernel launch at its own M."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_cases import MatmulCases, f32_bound
-from test_pallas_gpu import grouped_reference, run_grouped
+from pallas_cases import MatmulCases, f32_bound, one_program
 from tiers import slow_but
 
 from kernels_pallas import formats
@@ -23,7 +25,7 @@ from kernels_pallas.matmul.reference import reference_matmul
 
 K, N = 128, 64
 CASES = MatmulCases("gpu", K, N, group=32, blocks=dict(block_n=32, block_k=64))
-weight, acts, run = CASES.weight, CASES.acts, CASES.run
+weight, acts = CASES.weight, CASES.acts
 
 
 def exact_w8a8(x, w) -> np.ndarray:
@@ -33,16 +35,23 @@ def exact_w8a8(x, w) -> np.ndarray:
     return (acc.astype(np.float32) * sx) * np.asarray(w.scales)
 
 
-def assert_contract(fmt, x, w, y16, run_m) -> None:
-    """y16 (the 16-row call) within the float64 bound (w8a8: exact), and rows 0..m-1 of the M = 1
-    and M = 3 calls (``run_m(m)``) bitwise y16's."""
+def contract_calls(x, w, **knobs) -> dict[str, jax.Array]:
+    """The calls :func:`assert_contract` checks (to trace into one program): 16 rows, and the
+    first 1 and 3 alone."""
+    return {f"m{m}": CASES.matmul(x[:m], w, out_dtype=jnp.float32, **knobs) for m in (16, 1, 3)}
+
+
+def assert_contract(fmt, x, w, ys) -> None:
+    """The 16-row call within the float64 bound (w8a8: exact), and rows 0..m-1 of the M = 1 and
+    M = 3 calls bitwise its rows (``ys``: :func:`contract_calls`' outputs)."""
+    y16 = ys["m16"]
     if fmt == "w8a8":
         np.testing.assert_array_equal(y16, exact_w8a8(x, w))
     else:
         ref = reference_matmul(np.asarray(x), w)
         assert np.all(np.abs(y16 - ref) <= f32_bound(x, w) + 1e-30)
     for m in (1, 3):
-        np.testing.assert_array_equal(run_m(m), y16[:m])
+        np.testing.assert_array_equal(ys[f"m{m}"], y16[:m])
 
 
 @pytest.mark.parametrize("cdt", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -60,10 +69,16 @@ def test_magic_dequant_gives_the_shift_values(cdt):
 def test_magic_dequant_kernel_is_bitwise_the_shift_kernel(dtype):
     w, x = weight("w4a16"), acts(16, seed=3, dtype=dtype)
     knobs = dict(split_k=2, block_n=64, num_stages=5)
-    y16 = run(x, w, dequant="magic", **knobs)
-    np.testing.assert_array_equal(y16, run(x, w, dequant="shift", **knobs))
-    xf = x.astype(jnp.float32)
-    assert_contract("w4a16", xf, w, y16, lambda m: run(x[:m], w, dequant="magic", **knobs))
+    magic, shift = one_program(
+        lambda x, w: (
+            contract_calls(x, w, dequant="magic", **knobs),
+            CASES.matmul(x, w, out_dtype=jnp.float32, dequant="shift", **knobs),
+        ),
+        x,
+        w,
+    )
+    np.testing.assert_array_equal(magic["m16"], shift)
+    assert_contract("w4a16", x.astype(jnp.float32), w, magic)
 
 
 # split-K (count from the knobs, i.e. from (fmt, K, N), never from M) with wider tiles and pipelines
@@ -73,13 +88,17 @@ SPLIT_VARIANTS = {
 }
 
 
+@functools.cache
+def split_runs(fmt: str) -> dict[str, dict[str, np.ndarray]]:
+    """Both split variants' contract calls for ``fmt``, in one program."""
+    calls = lambda x, w: {v: contract_calls(x, w, **knobs) for v, knobs in SPLIT_VARIANTS.items()}
+    return one_program(calls, acts(16, seed=4), weight(fmt))
+
+
 @pytest.mark.parametrize("fmt", slow_but(["bf16", "w8a8", "w4a16", "fp8"], "w4a16"))
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS)
 def test_split_k_variants_keep_the_contract(fmt, variant):
-    knobs = SPLIT_VARIANTS[variant]
-    w, x = weight(fmt), acts(16, seed=4)
-    y16 = run(x, w, **knobs)
-    assert_contract(fmt, x, w, y16, lambda m: run(x[:m], w, **knobs))
+    assert_contract(fmt, acts(16, seed=4), weight(fmt), split_runs(fmt)[variant])
 
 
 @pytest.mark.parametrize("fmt", slow_but(["w8a8", "w4a16"], "w4a16"))
@@ -87,20 +106,30 @@ def test_grouped_split_k_keeps_the_contract(fmt):
     w = weight(fmt, shape=(3, K, N), seed=7)
     sizes = [5, 0, 9]
     x = acts(16, seed=8)  # 2 rows past the groups
-    knobs = dict(split_k=2, dequant="magic")
-    y = run_grouped(x, w, sizes, **knobs)
-    if fmt == "w8a8":  # int32 partials: the split cannot change a bit
-        np.testing.assert_array_equal(y, run_grouped(x, w, sizes))
-    else:
-        ref = grouped_reference(x, w, sizes)
-        np.testing.assert_allclose(y, ref, rtol=K * 2.0**-23 * 4, atol=K * 2.0**-23 * 4)
-        assert not np.array_equal(y, run_grouped(x, w, sizes))  # the split did change the f32 order
-    assert np.all(y[14:] == 0)
-    # expert 2's rows alone (M = 1, 3), and behind other rows of another expert
-    for m in (1, 3):
-        np.testing.assert_array_equal(run_grouped(x[5 : 5 + m], w, [0, 0, m], **knobs), y[5 : 5 + m])
     other = jnp.concatenate([acts(7, seed=9), x[5:14]])
-    np.testing.assert_array_equal(run_grouped(other, w, [7, 0, 9], **knobs)[7:], y[5:14])
+    split = lambda x, sizes, w: CASES.grouped(x, w, sizes, out_dtype=jnp.float32, split_k=2, dequant="magic")
+
+    def calls(x, other, w):
+        return {
+            "y": split(x, sizes, w),
+            "unsplit": CASES.grouped(x, w, sizes, out_dtype=jnp.float32),
+            # expert 2's rows alone (M = 1, 3), and behind other rows of another expert
+            **{f"m{m}": split(x[5 : 5 + m], [0, 0, m], w) for m in (1, 3)},
+            "other": split(other, [7, 0, 9], w),
+        }
+
+    ys = one_program(calls, x, other, w)
+    y = ys["y"]
+    if fmt == "w8a8":  # int32 partials: the split cannot change a bit
+        np.testing.assert_array_equal(y, ys["unsplit"])
+    else:
+        ref = CASES.grouped_reference(x, w, sizes)
+        np.testing.assert_allclose(y, ref, rtol=K * 2.0**-23 * 4, atol=K * 2.0**-23 * 4)
+        assert not np.array_equal(y, ys["unsplit"])  # the split did change the f32 order
+    assert np.all(y[14:] == 0)
+    for m in (1, 3):
+        np.testing.assert_array_equal(ys[f"m{m}"], y[5 : 5 + m])
+    np.testing.assert_array_equal(ys["other"][7:], y[5:14])
 
 
 def test_grouped_split_k_reads_its_table(monkeypatch):

@@ -2,7 +2,8 @@
 device: lowering for the platform, and the same kernels in interpret mode against float64 references
 and for invariance (a row's bits do not depend on the other rows; a token's attention output is the
 same in a packed full-sequence call and in a decode step over a cache). Shapes are tiny: the
-interpreters, the TPU one above all, are slow."""
+interpreters, the TPU one above all, are slow; a test's interpreted calls run as one program (see
+pallas_cases), each its own kernel launch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_cases import PLATFORM, lowered_text
+from pallas_cases import PLATFORM, lowered_text, one_program
 from tiers import slow_but
 
 from kernels_pallas import attention as attn
@@ -121,19 +122,18 @@ def test_public_api_dispatches_to_the_backend_kernels(backend):
 def test_rowwise_matches_f64_and_rows_are_invariant(backend, name):
     run, make = ROW_CASES[name]
     args = make()
-    full = np.asarray(run(backend, *args))
-    np.testing.assert_allclose(full, F64[name](*args), rtol=2e-6, atol=2e-6)
-    # one row alone (decode-sized call): the same bits
-    one = np.asarray(
-        run(backend, *(a[5:6] if i == 0 or name.startswith("rope") else a for i, a in enumerate(args)))
-    )
-    np.testing.assert_array_equal(one, full[5:6])
-    # the same row among other neighbours, at another index (another row block)
+    # one row alone (decode-sized call), and the same row among other neighbours at another index
+    # (another row block)
+    one = tuple(a[5:6] if i == 0 or name.startswith("rope") else a for i, a in enumerate(args))
     other = list(make())
     other[0] = rand(args[0].shape, 9, scale=4.0 if name == "logsumexp" else 1.0).at[17].set(args[0][5])
     if name.startswith("rope"):
         other[1] = (other[1] * 3).at[17].set(args[1][5])
-    np.testing.assert_array_equal(np.asarray(run(backend, *other))[17], full[5])
+    # the three calls, each its own kernel launch, in one program (see pallas_cases)
+    full, one, other = one_program(lambda *calls: [run(backend, *a) for a in calls], args, one, tuple(other))
+    np.testing.assert_allclose(full, F64[name](*args), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(one, full[5:6])
+    np.testing.assert_array_equal(other[17], full[5])
 
 
 # ---- attention -----------------------------------------------------------------------------------
@@ -150,8 +150,13 @@ def packed_inputs():
     return q, k, v, pos, jnp.arange(t, dtype=jnp.int32)[None] - pos, seg
 
 
-def run_attn(backend, *args, block_kv=BLOCK_KV):
-    return np.asarray(attn.attention(*args, block_kv=block_kv, backend=backend, interpret=True))
+def attn_calls(backend, calls) -> list[np.ndarray]:
+    """The interpreted attention kernel on each (block_kv, args) of ``calls``, in one program (see
+    pallas_cases), each call its own kernel launch."""
+    run = lambda bkv, args: attn.attention(*args, block_kv=bkv, backend=backend, interpret=True)
+    return one_program(
+        lambda *args: [run(bkv, a) for (bkv, _), a in zip(calls, args, strict=True)], *(a for _, a in calls)
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,21 +171,27 @@ def test_attention_lowers_for_platform(backend):
 @pytest.mark.parametrize("backend", slow_but(BACKENDS, "gpu"))
 def test_attention_matches_f64_and_decode_equals_full_sequence(backend):
     q, k, v, pos, st, seg = packed_inputs()
-    full = run_attn(backend, q, k, v, pos, st, seg, seg)
-    np.testing.assert_allclose(
-        full, attn.reference_attention_f64(q, k, v, pos, st, seg, seg), rtol=1e-5, atol=1e-5
-    )
     # decode over a cache: segment 1 in row 0 of a 40-slot cache (unwritten slots masked by -1),
     # an unrelated sequence in row 1; one query per row, at positions 20 and 3.
     s, (a, n) = 40, (LENS[0], LENS[1])
-    cache = lambda x, other: jnp.zeros((2, s, KV, D)).at[0, :n].set(x[0, a:]).at[1, :n].set(other)
+
+    def cache(x, other):
+        c = np.zeros((2, s, KV, D), np.float32)
+        c[0, :n], c[1, :n] = np.asarray(x)[0, a:], other
+        return c
+
     kc, vc = cache(k, rand((n, KV, D), 13)), cache(v, rand((n, KV, D), 14))
-    kseg = jnp.asarray(np.where(np.arange(s) < n, 0, -1)[None].repeat(2, 0), jnp.int32)
-    p = jnp.array([[20], [3]], jnp.int32)
-    qd = jnp.concatenate([q[:, a + 20 : a + 21], rand((1, 1, H, D), 15)])
-    dec = run_attn(backend, qd, kc, vc, p, None, jnp.zeros_like(p), kseg)
+    kseg = np.where(np.arange(s) < n, 0, -1)[None].repeat(2, 0).astype(np.int32)
+    p = np.array([[20], [3]], np.int32)
+    qd = np.concatenate([np.asarray(q)[:, a + 20 : a + 21], rand((1, 1, H, D), 15)])
+    decode = (qd, kc, vc, p, None, np.zeros_like(p), kseg)
+    # and with another key blocking (the negative control below)
+    full, dec, dec32 = attn_calls(
+        backend, [(BLOCK_KV, (q, k, v, pos, st, seg, seg)), (BLOCK_KV, decode), (32, decode)]
+    )
+    np.testing.assert_allclose(
+        full, attn.reference_attention_f64(q, k, v, pos, st, seg, seg), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(dec[0, 0], full[0, a + 20])
     # negative control: another key blocking changes the summation order, and the bits show it
-    assert not np.array_equal(
-        run_attn(backend, qd, kc, vc, p, None, jnp.zeros_like(p), kseg, block_kv=32)[0, 0], full[0, a + 20]
-    )
+    assert not np.array_equal(dec32[0, 0], full[0, a + 20])

@@ -7,7 +7,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -43,28 +42,13 @@ def metrics_without_timing(run_dir) -> list[dict]:
     ]
 
 
-def seed_cache(cache: pathlib.Path, leave_out: str) -> None:
-    """Put the test session's compiled programs (tests/conftest.py's cache, which holds the reference
-    run's) into ``cache`` as the CLI's bounded cache keeps an entry (its ``-cache`` file and the
-    ``-atime`` stamp JAX's eviction reads), but those whose name starts ``leave_out``. Why: a run
-    given ``cache`` then loads the programs the reference run compiled and compiles only the ones
-    left out, and storing those shows that it writes to run.compilation_cache_dir."""
-    for entry in pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).glob("*-cache"):
-        if not entry.name.startswith(leave_out):
-            shutil.copyfile(entry, cache / entry.name)
-            (cache / entry.name.replace("-cache", "-atime")).write_bytes(time.time_ns().to_bytes(8, "little"))
-
-
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_resumes_exactly(reference_run, tmp_path, tmp_path_factory, capfd):
     """The CLI run is killed mid-run (frozen as it starts checkpoint 2's save, checkpoint 1
     committed); the rerun resumes exactly, loading the killed run's compiled programs from
-    run.compilation_cache_dir. The uninterrupted reference: the session's reference run. The
-    run's cache starts with the session's programs but the step program: the killed run compiles
-    that one alone (the rest is the reference run's, the same config) and stores it there."""
+    run.compilation_cache_dir. The uninterrupted reference: the session's reference run."""
     ref_dir = reference_run.run
     export, cache = tmp_path / "hf", tmp_path_factory.mktemp("xla")
-    seed_cache(cache, "jit__update_impl-")
     args = ["--config", str(SMOKE), f"run.output_dir={tmp_path}", *COMMON]
     args += [f"run.steps={STEPS}", "run.checkpoint_every=1", f"--export-hf={export}"]
     args += [f"run.compilation_cache_dir={cache}"]
@@ -79,7 +63,7 @@ def test_sigkill_mid_run_then_rerun_resumes_exactly(reference_run, tmp_path, tmp
     stopped_cli.kill(proc)
     assert list(export.iterdir()) == []  # checked writable (created) before the run; written only at its end
     stored = {f.name for f in cache.iterdir()}
-    assert any(name.startswith("jit__update_impl-") for name in stored), stored  # the run's own
+    assert any("update_impl" in name for name in stored), stored  # the step program, at least
     cmd = [sys.executable, "-m", "qarl_jax.main", *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,9 +24,10 @@ VERDICT_ARMS = ["bf16", "quantized-rollout", "qarl-tbpo"]
 # answer); the mismatch is not: quantized-rollout's KL is > 0, the aligned arms' exactly 0. What the
 # arms cost is compiling their programs (each arm's update program is its own: format, mode and
 # objective differ; the bf16 evals and the two w4a16 arms' rollout programs hit the run's cache):
-# 108 s of CPU here against 185 s at the study's own shape (8 prompts x 8 samples, 48 tokens, 4
-# minibatches). An earlier try of this shape was reverted after timing out under load: no hang (a
-# faulthandler dump never fired), only compiles at load average 30: 550-860 s wall for 100-110 s of CPU.
+# this module takes 132 s of CPU against 185 s at the study's own shape (8 prompts x 8 samples, 48
+# tokens, 4 minibatches). An earlier try of this shape was reverted after timing out under load: no
+# hang (a faulthandler dump never fired), only compiles at load average 30: the three arms took
+# 550-860 s wall for 100-110 s of CPU.
 TINY = [
     "data.batch_size=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.max_len=40",
     "train.num_minibatches=1", "run.eval_prompts=8",

@@ -44,10 +44,14 @@ def test_quick_runs_the_verdicts_arms_and_resumes(tmp_path, monkeypatch):
     for run in result["runs"]:
         assert run["steps"] == 3 and 0.0 <= run["final_accuracy"] <= 1.0
         aligned = not run["arm"].startswith("quantized-rollout")
+        metrics = (replicate.run_dir(tmp_path, run["arm"], 0) / "metrics.jsonl").read_text().splitlines()
+        key = "train/mismatch_frac_bitwise_equal"
+        bitwise = [row[key] for row in map(json.loads, metrics) if key in row]
+        assert len(bitwise) == 3, metrics  # every step's (the KL alone rounds a mismatch of 1e-6 to 0)
         if aligned:  # rollout and training log-probs bitwise equal: the mismatch is exactly 0
-            assert run["mismatch_kl"] == 0.0, run
+            assert run["mismatch_kl"] == 0.0 and bitwise == [1.0] * 3, (run, bitwise)
         else:
-            assert run["mismatch_kl"] > 0.0, run
+            assert run["mismatch_kl"] > 0.0 and max(bitwise) < 1.0, (run, bitwise)
         assert run["final_accuracy_bf16"] is not None
     assert result["verdict"]["complete"]
     assert "| qarl-tbpo |" in (tmp_path / "summary.md").read_text()

@@ -1,5 +1,6 @@
-"""``python -m qarl_jax.evaluate`` on the shipped tiny policy and benchmark files generated here
-(arithmetic problems with known answers, in the MATH-500, AIME, GSM8K and ARC layouts).
+"""``python -m qarl_jax.evaluate`` on the session's reference smoke run (the shipped tiny policy after
+4 RL steps) and its export, and benchmark files generated here (arithmetic problems with known
+answers, in the MATH-500, AIME, GSM8K and ARC layouts).
 
 Checked: every figure equals the one computed here by hand from the samples the JSON records
 (re-graded here too); the run directory on 8 devices (in process) and its exported Hugging Face
@@ -17,12 +18,11 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
+import smoke_run
 
-from qarl_jax import sharding
-from qarl_jax.config import load_config, to_dict
+from qarl_jax.config import load_config
 from qarl_jax.data.config import SyntheticConfig
 from qarl_jax.data.synthetic import SyntheticArithmetic
 from qarl_jax.errors import ConfigError, DataError
@@ -31,9 +31,6 @@ from qarl_jax.evaluate.command import main
 from qarl_jax.evaluate.metrics import majority, pass_at_k
 from qarl_jax.evaluate.run import variants
 from qarl_jax.rewards import extract_choice, grade_choice, grade_math, grade_number
-from qarl_jax.rl.train_step import Trainer
-from qarl_jax.run.build import build_policy
-from qarl_jax.run.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = REPO / "configs" / "loop_smoke.yaml"
@@ -90,29 +87,12 @@ def write_benches(where: pathlib.Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
-    """A run directory (what the loop writes: config.json and an orbax checkpoint of the train
-    state, here of the shipped policy's weights scaled by 1.02, so they are not the shipped ones)
-    and its Hugging Face export (``serve.export_run``: what ``--export-hf`` writes)."""
-    from qarl_jax import serve
-
-    root = tmp_path_factory.mktemp("evaluate")
-    run = root / "run"
-    config = load_config(SMOKE, [f"run.output_dir={run}"])
-    mesh = sharding.make_mesh(config.mesh)
-    with sharding.activate(mesh, config.mesh.rules):
-        model, params = build_policy(config, mesh)
-        params = jax.tree.map(lambda x: x * 1.02, params)
-        trainer = Trainer(model, config.objective, config.train, config.optimizer, mesh, config.mesh.rules)
-        state = trainer.init_state(params)
-    ckpt = Checkpointer(run / "checkpoints", config.run.keep, to_dict(config))
-    ckpt.save(3, state, {}, seed=config.seed)
-    ckpt.close()
-    (run / "config.json").write_text(json.dumps(to_dict(config)))
-    assert serve.export_run(run, None, root / "hf") == 3
-    benches = root / "benches"
-    benches.mkdir()
-    return {"run": run, "hf": root / "hf", "specs": write_benches(benches), "root": root}
+def checkpoints(reference_run, tmp_path_factory) -> dict:
+    """A run directory and its Hugging Face export: the session's reference smoke run (trained 4
+    steps, so not the shipped weights; tests/smoke_run.py) and what its ``--export-hf`` wrote, read
+    in place (evaluate writes only under ``--out``). The benchmark files are written here."""
+    benches = tmp_path_factory.mktemp("benches")
+    return {"run": reference_run.run, "hf": reference_run.hf, "specs": write_benches(benches)}
 
 
 def run_main(argv: list[str]) -> int:
@@ -140,7 +120,7 @@ def regrade(kind: str, response: str, reference: str) -> float:
 @pytest.mark.slow
 def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     table, report = run_report
-    assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == 3
+    assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == smoke_run.STEPS
     assert report["sampling"] == {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
     (variant,) = report["results"]
     assert variant == "w4a16 (deployed)"

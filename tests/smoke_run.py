@@ -5,9 +5,8 @@ run (tests/conftest.py's ``reference_run`` fixture). Why: the checkpoint, CLI, n
 tests each trained a smoke run of their own (five runs of the same few steps, each ~20-80 s on two
 loaded cores) only to read it.
 
-Under pytest-xdist the workers share it: the first to ask builds it under a file lock in the
-session's shared temporary directory (the parent of every worker's own), the others wait on the
-lock and read it. A test must not write into it: copy it first (``shutil.copytree``).
+Under pytest-xdist the workers share it (tests/once.py): the first to ask builds it, the others
+wait and read it. A test must not write into it: copy it first (``shutil.copytree``).
 
 The run directory was made the way ``run.overwrite=true`` meets an earlier run's logs (a stale
 TensorBoard event file and metrics rows, no checkpoint), so that tests/test_main.py reads the
@@ -17,12 +16,9 @@ replacement off it as well. Imported as a plain module (``import smoke_run``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
-import os
 import pathlib
-import shutil
 from dataclasses import dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +44,7 @@ def argv(run: pathlib.Path, *more: str) -> list[str]:
     return ["--config", str(SMOKE), f"run.output_dir={run}", *OVERRIDES, *more]
 
 
-def build(root: pathlib.Path) -> Reference:
+def build(root: pathlib.Path) -> None:
     """Train the reference run under ``root`` (in this process, through ``main``)."""
     from qarl_jax.main import main
 
@@ -62,27 +58,17 @@ def build(root: pathlib.Path) -> Reference:
         code = main(argv(run, "run.overwrite=true", *exports))
     assert code == 0, f"the reference run failed ({code})"
     (root / "summary.json").write_text(out.getvalue())
-    return read(root)
-
-
-def read(root: pathlib.Path) -> Reference:
-    return Reference(
-        root / "aligned", root / "hf", root / "ct", json.loads((root / "summary.json").read_text())
-    )
 
 
 def shared(base: pathlib.Path) -> Reference:
-    """The session's reference run: ``base`` is this process's pytest temporary root; under xdist
-    (``$PYTEST_XDIST_WORKER`` set) its parent is the one every worker of the session shares."""
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    with (root / "reference-run.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its holder dies)
-        ref = root / "reference-run"
-        if (ref / "summary.json").exists():
-            return read(ref)
-        shutil.rmtree(ref, ignore_errors=True)  # a build that failed before in this session
-        ref.mkdir()
-        return build(ref)
+    """The session's reference run, built once for all the session's workers (tests/once.py);
+    ``base`` is this process's pytest temporary root."""
+    import once
+
+    root = once.built_once(base, "reference-run", build)
+    return Reference(
+        root / "aligned", root / "hf", root / "ct", json.loads((root / "summary.json").read_text())
+    )
 
 
 def final_state(ref: Reference):

@@ -1,8 +1,12 @@
-"""Hugging Face import/export: round trips, transformers reading our files, streaming memory, errors."""
+"""Hugging Face import/export: round trips, transformers reading our files, streaming memory, errors.
+The presets are cut to two layers (the MoE's second one sparse): a file's layout repeats per layer,
+and each preset's init is a compile that grows with the layers."""
 
 import functools
 import json
 import operator
+import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,7 +39,7 @@ def _word_tokenizer() -> Tokenizer:
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "qwen2-tiny"])
 def test_export_import_round_trip_is_bitwise(tmp_path, name):
-    config = preset(name)
+    config = preset(name, num_hidden_layers=2)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))
     save_pretrained(tmp_path, config, params, tokenizer=_word_tokenizer())
     model, loaded, tok = from_pretrained(tmp_path)
@@ -46,7 +50,7 @@ def test_export_import_round_trip_is_bitwise(tmp_path, name):
 
 
 def test_sharded_export_writes_index_and_reloads(tmp_path):
-    config = preset("qwen3-moe-tiny")
+    config = preset("qwen3-moe-tiny", num_hidden_layers=2)
     params = init_params(Qwen3ForCausalLM(config), jax.random.key(2))
     save_pretrained(tmp_path, config, params, max_shard_bytes=1 << 20)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -67,7 +71,8 @@ def test_transformers_loads_our_export(tmp_path, case):
     tokens = torch.tensor(np.random.RandomState(0).randint(0, model.config.vocab_size, (2, 9)))
     with torch.no_grad():
         np.testing.assert_array_equal(reloaded(tokens).logits.numpy(), hf(tokens).logits.numpy())
-    ours = np.asarray(model.apply({"params": params}, jnp.asarray(tokens.numpy())))
+    forward = jax.jit(model.apply)  # one compile: half the CPU of running the ops one by one
+    ours = np.asarray(forward({"params": params}, jnp.asarray(tokens.numpy())))
     np.testing.assert_allclose(ours, hf(tokens).logits.detach().numpy(), atol=1e-4)
 
 
@@ -76,7 +81,7 @@ def test_bfloat16_load(tmp_path):
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
     model, params, _ = from_pretrained(tmp_path, dtype="bfloat16")
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
-    logits = model.apply({"params": params}, jnp.zeros((1, 4), jnp.int32))
+    logits = jax.jit(model.apply)({"params": params}, jnp.zeros((1, 4), jnp.int32))
     assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits.astype(jnp.float32)).all())
 
 
@@ -145,7 +150,9 @@ def test_sharded_load_reads_no_more_than_a_shard_at_once(tmp_path, monkeypatch, 
     from qarl_jax import sharding as sh
     from qarl_jax.models.safetensors_io import SafetensorsReader
 
-    config = preset(name).replace(scan_layers=name == "qwen3-moe-tiny", tie_word_embeddings=False)
+    config = preset(
+        name, num_hidden_layers=2, scan_layers=name == "qwen3-moe-tiny", tie_word_embeddings=False
+    )
     model = Qwen3ForCausalLM(config)
     params = init_params(model, jax.random.key(5))
     save_pretrained(tmp_path, config, params)
@@ -188,11 +195,19 @@ def test_sharded_load_reads_no_more_than_a_shard_at_once(tmp_path, monkeypatch, 
 # ---- error paths: each names the file and/or tensor -------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def saved_ckpt(tmp_path_factory):
+    """One good checkpoint for the module (an init and a save each cost a test ~0.6 s)."""
+    path = tmp_path_factory.mktemp("good")
+    config = preset("qwen3-tiny", num_hidden_layers=2)
+    save_pretrained(path, config, init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
+    return path
+
+
 @pytest.fixture
-def good_ckpt(tmp_path):
-    config = preset("qwen3-tiny")
-    save_pretrained(tmp_path, config, init_params(Qwen3ForCausalLM(config), jax.random.key(0)))
-    return tmp_path
+def good_ckpt(saved_ckpt, tmp_path):
+    """A copy of the good checkpoint, this test's to damage."""
+    return pathlib.Path(shutil.copytree(saved_ckpt, tmp_path / "ckpt"))
 
 
 def test_missing_config(tmp_path):
@@ -234,17 +249,17 @@ def test_shape_mismatch_names_tensor(good_ckpt):
 
 def test_missing_tensor_names_it(good_ckpt):
     cfg = json.loads((good_ckpt / "config.json").read_text())
-    cfg["num_hidden_layers"] = 5
+    cfg["num_hidden_layers"] = 3
     (good_ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.4.self_attn.q_proj.weight' is missing"):
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.2.self_attn.q_proj.weight' is missing"):
         from_pretrained(good_ckpt)
 
 
 def test_unexpected_tensors_are_reported(good_ckpt):
     cfg = json.loads((good_ckpt / "config.json").read_text())
-    cfg["num_hidden_layers"] = 3
+    cfg["num_hidden_layers"] = 1
     (good_ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"do not belong.*model.layers.3"):
+    with pytest.raises(CheckpointError, match=r"do not belong.*model.layers.1"):
         from_pretrained(good_ckpt)
 
 

@@ -19,8 +19,10 @@ from qarl_jax.models import Qwen3ForCausalLM, init_params, preset
 from qarl_jax.quant import QuantSpec, quantize_params
 from qarl_jax.rollout import EngineConfig, RolloutEngine, SamplingParams, layout, rollout
 
-MOE = preset("qwen3-moe-tiny")  # 8 experts, untied embeddings
-DENSE = preset("qwen3-tiny")
+# two layers (the MoE's first dense, its second 8 experts): what a layout does to a layer does not
+# depend on how many follow, and XLA's compiles (most of this module's time) grow with the layers
+MOE = preset("qwen3-moe-tiny", num_hidden_layers=2)  # 8 experts, untied embeddings
+DENSE = preset("qwen3-tiny", num_hidden_layers=2)
 
 
 @pytest.mark.parametrize(

@@ -38,9 +38,13 @@ def js():
     return jetstream_pb2, jetstream_pb2_grpc, jetstream_engine
 
 
+# two layers: serving does not depend on depth, and the engine's compiles grow with the layers
+CONFIG = preset("qwen3-tiny", num_hidden_layers=2)
+
+
 @pytest.fixture(scope="module")
 def core():
-    model = Qwen3ForCausalLM(preset("qwen3-tiny"))
+    model = Qwen3ForCausalLM(CONFIG)
     params = init_params(model, jax.random.key(0))
     return RolloutEngine(
         model, params, EngineConfig(slots=2, max_len=40, max_prefill_batch=1, eos_ids=(EOS,))
@@ -112,9 +116,8 @@ def test_serve_cli_on_a_checkpoint(tmp_path, js):
     assert not noise(helped.stdout + helped.stderr)
     model_dir = tmp_path / "model"
     tokenizer = build_arithmetic_tokenizer()
-    config = preset("qwen3-tiny")
-    params = init_params(Qwen3ForCausalLM(config), jax.random.key(2))
-    save_pretrained(model_dir, config, params, tokenizer)
+    params = init_params(Qwen3ForCausalLM(CONFIG), jax.random.key(2))
+    save_pretrained(model_dir, CONFIG, params, tokenizer)
     cmd = [*serve, "--checkpoint", str(model_dir), "--quant", "w8a8", "--port", "0", "--slots", "2"]
     cmd += ["--max-len", "64"]
     with (tmp_path / "stderr").open("w") as stderr:

@@ -5,17 +5,20 @@ nothing to a local ``gs:`` folder, the saved state restored exactly and the run 
 bucket, ``verify_checkpoint`` and the damaged-checkpoint fallback there, and the run lock without
 ``flock``: a second holder refused naming the first, a gone one taken over.
 
-One training run (2 steps) serves the whole module; the resume adds one step to it."""
+One training step serves the whole module: the session's reference run (tests/smoke_run.py, 4 steps,
+checkpoints 2 and 4) uploaded to the bucket and resumed there for a fifth step, which reads its
+checkpoint from gs:// and writes a checkpoint, metrics and events there. (This module trained a
+2-step run of its own and then a third step: the same programs, ~30 s on two loaded cores.)"""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+import smoke_run
 from etils import epath
 from tensorboardX.proto.event_pb2 import Event
 
@@ -29,7 +32,7 @@ from qarl_jax.run.train import train
 from qarl_jax.tools import verify_checkpoint
 from qarl_jax.tools.export import export_checkpoint
 
-SMOKE = pathlib.Path(__file__).parents[1] / "configs" / "loop_smoke.yaml"
+SMOKE = smoke_run.SMOKE
 
 
 @pytest.mark.parametrize(
@@ -73,64 +76,68 @@ def events(tb: epath.Path) -> list[Event]:
 
 
 @pytest.fixture(scope="module")
-def bucket_run(gcs_bucket, tmp_path_factory):
-    """A 2-step run with a checkpoint at each step, in ``gs://.../run``, from a fresh working
-    directory (where a URL turned into a local path would land)."""
+def bucket_run(gcs_bucket, reference_run, tmp_path_factory):
+    """The reference run copied to ``gs://.../run`` (file by file, but its lock file), then its
+    command again with ``run.steps=5`` and a checkpoint every step, from a fresh working directory
+    (where a URL turned into a local path would land). Returns the run, the resumed run's result,
+    that directory and the copied run's metrics."""
+    run = epath.Path(f"{gcs_bucket}/run")
+    for f in reference_run.run.rglob("*"):  # its (empty) local lock file is no bucket's lock
+        if f.is_file() and f.name != rundir.LOCK_FILE:
+            (run / f.relative_to(reference_run.run)).write_bytes(f.read_bytes())
+    copied = (run / "metrics.jsonl").read_text()
     cwd, here = os.getcwd(), tmp_path_factory.mktemp("cwd")
     os.chdir(here)
     try:
-        config = load_config(SMOKE, [f"run.output_dir={gcs_bucket}/run", "run.checkpoint_every=1"])
-        result = train(config)
+        more = [f"run.steps={smoke_run.STEPS + 1}", "run.checkpoint_every=1"]
+        result = train(load_config(SMOKE, [f"run.output_dir={run}", *smoke_run.OVERRIDES, *more]))
     finally:
         os.chdir(cwd)
-    return epath.Path(f"{gcs_bucket}/run"), result, here
+    return run, result, here, copied
 
 
 def test_a_run_in_a_bucket_writes_checkpoints_metrics_and_events_there(bucket_run):
-    run, result, cwd = bucket_run
+    run, result, cwd, copied = bucket_run
     assert result.summary["run_dir"] == os.fspath(run)
+    assert result.summary["resumed_from"] == smoke_run.STEPS  # its checkpoint, read from the bucket
     names = objects(run)
     assert "config.json" in names and "run.lock" not in names  # released at the end
-    for step in (1, 2):
-        assert f"checkpoints/{step}/state/manifest.ocdbt" in names, names
-        assert f"checkpoints/{step}/commit_success.txt" in names  # orbax's commit mark on GCS
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [
+    assert "checkpoints/5/state/manifest.ocdbt" in names, names
+    assert "checkpoints/5/commit_success.txt" in names  # orbax's commit mark on GCS
+    assert "checkpoints/2/state/manifest.ocdbt" not in names  # run.keep=2: the oldest deleted there
+    lines = (run / "metrics.jsonl").read_text()
+    assert lines.startswith(copied) and [json.loads(x)["step"] for x in lines.splitlines()] == [
         0,
         1,
         2,
+        3,
+        4,
+        5,
     ]
     scalars = {(e.step, v.tag) for e in events(run / "tb") for v in e.summary.value}
-    assert {(1, "reward_mean"), (2, "reward_mean"), (2, "train/loss")} <= scalars
+    assert {(4, "reward_mean"), (5, "reward_mean"), (5, "train/loss")} <= scalars
     assert list(cwd.rglob("gs:*")) == [] and list(cwd.iterdir()) == []  # nothing local at all
 
 
-def test_the_bucket_checkpoint_restores_the_state_exactly_and_the_run_resumes_from_it(bucket_run, gcs_bucket):
-    run, result, _ = bucket_run
-    config = load_config(SMOKE, [f"run.output_dir={run}", "run.checkpoint_every=1"])
+def test_the_bucket_checkpoint_restores_the_state_exactly(bucket_run):
+    """The state the run saved to the bucket at its last step comes back bit for bit (its resume
+    from the bucket: the test above)."""
+    run, result, _, _ = bucket_run
+    config = load_config(SMOKE, [f"run.output_dir={run}", *smoke_run.OVERRIDES])
     ckpt = Checkpointer(run / "checkpoints", config.run.keep, to_dict(config))
     restored = ckpt.restore(result.state)
     ckpt.close()
-    assert restored.step == 2
+    assert restored.step == smoke_run.STEPS + 1
     jax.tree.map(np.testing.assert_array_equal, restored.state.params, result.state.params)
     jax.tree.map(np.testing.assert_array_equal, restored.state.opt_state, result.state.opt_state)
-    before = (run / "metrics.jsonl").read_text()
-    resumed = train(load_config(SMOKE, [f"run.output_dir={run}", "run.checkpoint_every=1", "run.steps=3"]))
-    assert resumed.summary["resumed_from"] == 2
-    lines = (run / "metrics.jsonl").read_text()
-    assert lines.startswith(before) and [json.loads(x)["step"] for x in lines.splitlines()] == [0, 1, 2, 3]
-    assert {e.step for e in events(run / "tb") for v in e.summary.value if v.tag == "reward_mean"} == {
-        1,
-        2,
-        3,
-    }
 
 
 def test_a_run_in_a_bucket_exports_to_a_bucket_as_to_a_disk(bucket_run, gcs_bucket, tmp_path):
     """``tools.export`` (the code of ``--export-hf``/``--export-compressed-tensors``) from
     ``gs://`` to ``gs://`` writes the bytes it writes to a local directory."""
-    run, _, _ = bucket_run
-    step = export_checkpoint(f"{run}/checkpoints/2", f"{gcs_bucket}/export")
-    assert step == export_checkpoint(f"{run}/checkpoints/2", tmp_path / "export") == 2
+    run, _, _, _ = bucket_run
+    step = export_checkpoint(f"{run}/checkpoints/5", f"{gcs_bucket}/export")
+    assert step == export_checkpoint(f"{run}/checkpoints/5", tmp_path / "export") == 5
     local = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert objects(epath.Path(f"{gcs_bucket}/export")) == local and "model.safetensors" in local
     for name in local:
@@ -139,7 +146,7 @@ def test_a_run_in_a_bucket_exports_to_a_bucket_as_to_a_disk(bucket_run, gcs_buck
 
 
 def test_verify_checkpoint_and_the_damaged_checkpoint_fallback_in_a_bucket(bucket_run, capsys):
-    run, result, _ = bucket_run
+    run, result, _, _ = bucket_run
     assert verify_checkpoint.main([os.fspath(run)]) == 0
     out = capsys.readouterr().out
     steps = sorted(int(line.rsplit("/", 1)[1]) for line in out.splitlines() if line.startswith("ok "))

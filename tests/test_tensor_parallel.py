@@ -117,7 +117,9 @@ def test_decode_step_gathers_activations_never_a_weight():
     """The compiled tensor-parallel decode step (tensor 2 x data 4) all-gathers per layer only
     [slots, width] activations: no all-gather's result has the shape of a whole projection weight,
     and all of them together are a small fraction of one device's frozen weights."""
-    model = Qwen3ForCausalLM(preset("qwen3-small", dtype="bfloat16", tensor_blocks=2), QuantSpec("w4a16"))
+    # two of qwen3-small's six layers: the check is per layer, and the compile grows with them
+    config = preset("qwen3-small", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=2)
+    model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
     mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
     abstract = compiled_memory.abstract_params(model, None, None)
     frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)

@@ -66,7 +66,7 @@ class CacheLayout:
         new = pad_axis(new.astype(cache.dtype), 3, self.head_dim)
         return flat.at[which, at].set(new, mode="drop").reshape(cache.shape)
 
-    def put(self, cache: jax.Array, slots: jax.Array, prefix: jax.Array, rows: jax.Array, t: int) -> jax.Array:
+    def put(self, cache: jax.Array, slots: jax.Array, prefix: jax.Array, rows: jax.Array, t: int):
         """``cache`` with the first ``t`` positions of ``prefix``'s ``rows`` (a cache of this
         layout's kind) written into ``slots`` (out-of-range slots dropped)."""
         if self.heads_first:

@@ -146,7 +146,7 @@ def attention(
 
 
 @functools.partial(jax.jit, static_argnames=("length", "block_kv", "interpret"))
-def cached_attention(q, k_cache, v_cache, layer, positions, *, length, block_kv, interpret=False) -> jax.Array:
+def cached_attention(q, k_cache, v_cache, layer, positions, *, length, block_kv, interpret=False):
     """q [B,T,H,D] against layer ``layer`` (an int32 scalar) of a stacked cache k/v
     [L, B, KV, S, D_pad] (``S = cache_length(length, block_kv)``, D_pad the head size rounded up to
     128 lanes; the KV-cache visibility: key index = position, keys at or past ``length`` masked) ->

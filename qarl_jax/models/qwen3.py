@@ -412,7 +412,8 @@ def _expert_axis(c: TransformerConfig) -> str | None:
 class DecoderLayer(nn.Module):
     """One decoder layer in scan form: ``(carry, positions, starts, segment_ids) -> (carry, None)``
     with carry ``(x, cache)``; cache is None (full-sequence forward) or ``(kv, i)``: the whole
-    stacked :class:`KVCache` and this layer's index in it (the next layer's on the way out). The same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
+    stacked :class:`KVCache` and this layer's index in it (the next layer's on the way out). The
+    same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
 
     config: TransformerConfig
     layer: int  # its index (the first of its run when scanned: only its kind matters)

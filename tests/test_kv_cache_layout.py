@@ -73,6 +73,9 @@ def test_the_tpu_decode_step_moves_its_weights_and_cache_not_copies_of_them(caps
     )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    moved = out["compiled"]["programs"]["decode_step"]["hbm_bytes"]
+    programs = out["compiled"]["programs"]
+    kernels = lambda *names: {k for n in names for k in programs[n]["mosaic_kernels"]}  # noqa: E731
+    assert kernels("decode_step", "prefill") <= kernels("old_logprobs", "update")  # the same programs
+    moved = programs["decode_step"]["hbm_bytes"]
     held = out["plan"]["bytes"]["frozen"] + out["compiled"]["kv_cache_bytes"]
     assert moved <= 2.5 * held, (moved, held)

@@ -12,9 +12,13 @@ head size to a multiple of 128 lanes (zeros: they add exact zeros to the dots). 
 at an arbitrary key index (the segment start), which Mosaic cannot slice directly; the kernel loads
 the aligned window around it and rotates it into place (``pltpu.roll``, a dynamic shift), for K and
 V along sublanes and for the key segment ids, kept as one lane row per sequence, along lanes. The
-per-token position, start and segment id are scalar-prefetched into SMEM, and so are S and T. K and
-V rows for one (row, KV head) stay in VMEM while T advances (their block index does not change),
-which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+per-token position, start and segment id are scalar-prefetched into SMEM, and so are S, T and the
+layer: K and V come as a stack of layers [L, B, KV, S_pad, D_pad] whose index maps read the layer
+from SMEM, so a decode step hands the kernel the KV cache as it lies (:func:`cached_attention`:
+no per-layer slice, transpose or pad by XLA) and the training forward its K/V as a stack of one
+(layer 0). K and V rows for one (row, KV head) stay in VMEM while T advances (their block index
+does not change), which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and
+V, double-buffered).
 
 One program for training, prefill and decode. The grid is (B, KV, T), and S and T reach the body
 only as SMEM scalars, so the one thing that tells a decode step's kernel (T = 1 against the cache,
@@ -43,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import pad_axis, round_up
-from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
+from kernels_pallas.attention.common import MASK, Visibility, normalise, online_softmax_step, token_ids
 
 _ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
 # the blocks' axes that hold the key extent S_pad, by block (q, K, V, key segments, output): the
@@ -141,7 +145,7 @@ def attention(
     def keys(a):  # [B, S, KV, D] -> [1, B, KV, S_pad, D_pad]
         return pad_axis(pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)[None]
 
-    ids = (positions, starts, segment_ids, kv_segment_ids)
+    ids = Visibility(positions, starts, segment_ids, kv_segment_ids)
     return _call(q, keys(k), keys(v), jnp.int32(0), ids, s, block_kv, interpret)
 
 
@@ -158,7 +162,7 @@ def cached_attention(q, k_cache, v_cache, layer, positions, *, length, block_kv,
             f"cache {k_cache.shape} is not [L, B, KV, >= {cache_length(length, block_kv)}, D_pad] for "
             f"length {length} and block_kv {block_kv}"
         )
-    ids = (positions, None, None, None)
+    ids = Visibility(positions)
     return _call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), ids, length, block_kv, interpret)
 
 
@@ -167,7 +171,7 @@ def _check_block(block_kv: int) -> None:
         raise ValueError(f"the TPU attention kernel needs block_kv a multiple of 8, got {block_kv}")
 
 
-def _call(q, k, v, layer, ids, s: int, block_kv: int, interpret: bool) -> jax.Array:
+def _call(q, k, v, layer, ids: Visibility, s: int, block_kv: int, interpret: bool) -> jax.Array:
     """The one Mosaic program: q [B,T,H,D] against layer ``layer`` of k/v [L, B, KV, S_k, D_pad],
     keys at or past ``s`` masked; ``ids`` the visibility (positions, starts, segment ids)."""
     b, t, h, d = q.shape
@@ -176,7 +180,7 @@ def _call(q, k, v, layer, ids, s: int, block_kv: int, interpret: bool) -> jax.Ar
     gp = round_up(g, SUBLANES)
     s_seg = _key_extent(s, block_kv)  # the key segment ids' lane windows
     qg = pad_axis(pad_axis(q.reshape(b, t, kvh, g, d), 3, gp), 4, dp)
-    pos, st, seg, kseg = token_ids(*ids, s, s_seg)
+    pos, st, seg, kseg = token_ids(ids.positions, ids.starts, ids.segment_ids, ids.kv_segment_ids, s, s_seg)
     lengths = jnp.stack([jnp.int32(s), jnp.int32(t), layer])  # the layer: read by K/V's index maps
     scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1), lengths)
     kv_spec = pl.BlockSpec((None, None, None, s_k, dp), lambda i, n, j, *r: (r[3][2], i, n, 0, 0))

@@ -24,11 +24,16 @@ SUBLANES, LANES = 8, 128  # a 32-bit VMEM tile
 
 
 def compiler_params(
-    *semantics: Literal["parallel", "arbitrary"], vmem_bytes: int | None = None
+    *semantics: Literal["parallel", "arbitrary"], vmem_bytes: int | None = None, fuse_inputs: int = 0
 ) -> _pltpu.CompilerParams:
     """Mosaic parameters: grid axes' semantics (a reduction axis is 'arbitrary': it runs in order)
-    and, for a kernel whose blocks outgrow Mosaic's default scoped VMEM, the VMEM it needs."""
-    return _pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes)
+    and, for a kernel whose blocks outgrow Mosaic's default scoped VMEM, the VMEM it needs.
+    ``fuse_inputs``: XLA may fuse the producers of that many operands into the kernel's reads (a
+    layer's slice of a stacked weight: without it XLA:TPU copies the slice out first)."""
+    fusion = [True] * fuse_inputs if fuse_inputs else None
+    return _pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes, allow_input_fusion=fusion
+    )
 
 
 def interpret_mode(flag: bool) -> _pltpu.InterpretParams | bool:

@@ -22,7 +22,7 @@ from jax._src.state.discharge import discharge_state
 
 import kernels_pallas as kp
 from kernels_pallas import FORMATS
-from kernels_pallas.attention import attention
+from kernels_pallas.attention import attention, cache_layout, cached_attention
 from kernels_pallas.formats import WEIGHT_BITS
 from kernels_pallas.grouped.common import group_tiles
 from kernels_pallas.rowwise import rms_norm, rope, token_logprobs
@@ -89,6 +89,11 @@ def test_attention_estimate_is_what_its_blocks_move():
     """K and V of a (row, KV head) once, padded to S_pad x D_pad; q and out per token."""
     q, k = jnp.zeros((2, 16, 4, 64), BF), jnp.zeros((2, 48, 2, 64), BF)
     _check(attention, q, k, k, jnp.zeros((2, 16), jnp.int32))
+    # a decode step over the TPU cache layout: one layer's K and V of each (slot, KV head), in place
+    layout = cache_layout(48, 64, backend="tpu")
+    stack = jnp.zeros(layout.shape(3, 2, 2), BF)
+    one = jnp.zeros((2, 1), jnp.int32)
+    _check(lambda q, c: cached_attention(q, c, c, jnp.int32(1), one, layout), q[:, :1], stack)
 
 
 def test_rowwise_estimates_are_what_their_blocks_move():

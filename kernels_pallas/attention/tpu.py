@@ -12,9 +12,13 @@ head size to a multiple of 128 lanes (zeros: they add exact zeros to the dots). 
 at an arbitrary key index (the segment start), which Mosaic cannot slice directly; the kernel loads
 the aligned window around it and rotates it into place (``pltpu.roll``, a dynamic shift), for K and
 V along sublanes and for the key segment ids, kept as one lane row per sequence, along lanes. The
-per-token position, start and segment id are scalar-prefetched into SMEM, and so are S and T. K and
-V rows for one (row, KV head) stay in VMEM while T advances (their block index does not change),
-which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and V, double-buffered).
+per-token position, start and segment id are scalar-prefetched into SMEM, and so are S, T and the
+layer: K and V come as a stack of layers [L, B, KV, S_pad, D_pad] whose index maps read the layer
+from SMEM, so a decode step hands the kernel the KV cache as it lies (:func:`cached_attention`:
+no per-layer slice, transpose or pad by XLA) and the training forward its K/V as a stack of one
+(layer 0). K and V rows for one (row, KV head) stay in VMEM while T advances (their block index
+does not change), which bounds the cache length by VMEM (about S * D_pad * 8 bytes for bf16 K and
+V, double-buffered).
 
 One program for training, prefill and decode. The grid is (B, KV, T), and S and T reach the body
 only as SMEM scalars, so the one thing that tells a decode step's kernel (T = 1 against the cache,
@@ -43,12 +47,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._mosaic import LANES, PARALLEL, SUBLANES, compiler_params, cost, interpret_mode, mxu_dot
 from kernels_pallas._tiling import pad_axis, round_up
-from kernels_pallas.attention.common import MASK, normalise, online_softmax_step, token_ids
+from kernels_pallas.attention.common import MASK, Visibility, normalise, online_softmax_step, token_ids
 
 _ALIGN = 16  # sublane alignment of the K/V window loads (a bf16 tile is 16 rows)
 # the blocks' axes that hold the key extent S_pad, by block (q, K, V, key segments, output): the
 # only extents in the compiled body (the module doc says why they cannot change a row's bits)
-EXTENT_AXES: Final = {1: 2, 2: 2, 3: 2}
+EXTENT_AXES: Final = {1: 3, 2: 3, 3: 2}
 
 
 def _shift(r: jax.Array, size: int) -> jax.Array:
@@ -114,31 +118,76 @@ def _vmem_bytes(k: jax.Array, s_pad: int, dp: int) -> int:
     return 2 * 2 * s_pad * dp * jnp.dtype(k.dtype).itemsize + (16 << 20)
 
 
+def cache_length(max_len: int, block_kv: int) -> int:
+    """Positions a slot's cache holds in :func:`cached_attention`'s layout for ``max_len`` usable
+    ones: room for the last K/V window of a query at ``max_len - 1`` (it ends before
+    ``max_len - 1 + block_kv + 16``), a multiple of the bf16 sublane tile."""
+    return round_up(max_len + block_kv + _ALIGN, _ALIGN)
+
+
+def _key_extent(s: int, block_kv: int) -> int:
+    """Key positions a training row's K/V (and any call's key segment ids) are padded to: room for
+    the last window of any token whose own key is in range (``starts + positions < s``)."""
+    return round_up(s, LANES) + LANES + round_up(block_kv, LANES)
+
+
 @functools.partial(jax.jit, static_argnames=("block_kv", "interpret"))
 def attention(
     q, k, v, positions, starts, segment_ids, kv_segment_ids, *, block_kv, interpret=False
 ) -> jax.Array:
-    """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`)."""
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
+    """q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] (layout as :func:`kernels_pallas.attention.attention`).
+    K and V are laid out as :func:`cached_attention` reads a cache, a stack of one layer, and run
+    through the same program with layer 0."""
+    d, s = q.shape[3], k.shape[1]
+    _check_block(block_kv)
+    s_pad, dp = _key_extent(s, block_kv), round_up(d, LANES)
+
+    def keys(a):  # [B, S, KV, D] -> [1, B, KV, S_pad, D_pad]
+        return pad_axis(pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)[None]
+
+    ids = Visibility(positions, starts, segment_ids, kv_segment_ids)
+    return _call(q, keys(k), keys(v), jnp.int32(0), ids, s, block_kv, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("length", "block_kv", "interpret"))
+def cached_attention(q, k_cache, v_cache, layer, positions, *, length, block_kv, interpret=False):
+    """q [B,T,H,D] against layer ``layer`` (an int32 scalar) of a stacked cache k/v
+    [L, B, KV, S, D_pad] (``S = cache_length(length, block_kv)``, D_pad the head size rounded up to
+    128 lanes; the KV-cache visibility: key index = position, keys at or past ``length`` masked) ->
+    [B,T,H,D]. The stack goes to the kernel as it is: the layer is a scalar-prefetched operand its
+    K/V index maps read, so XLA copies, transposes and pads nothing."""
+    _check_block(block_kv)
+    if k_cache.shape[3] < cache_length(length, block_kv) or k_cache.shape[4] % LANES:
+        raise ValueError(
+            f"cache {k_cache.shape} is not [L, B, KV, >= {cache_length(length, block_kv)}, D_pad] for "
+            f"length {length} and block_kv {block_kv}"
+        )
+    ids = Visibility(positions)
+    return _call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), ids, length, block_kv, interpret)
+
+
+def _check_block(block_kv: int) -> None:
     if block_kv < 1 or block_kv % SUBLANES:
         raise ValueError(f"the TPU attention kernel needs block_kv a multiple of 8, got {block_kv}")
-    gp, dp = round_up(g, SUBLANES), round_up(d, LANES)
-    # room for the last window of any token whose own key is in range (starts + positions < S)
-    s_pad = round_up(s, LANES) + LANES + round_up(block_kv, LANES)
+
+
+def _call(q, k, v, layer, ids: Visibility, s: int, block_kv: int, interpret: bool) -> jax.Array:
+    """The one Mosaic program: q [B,T,H,D] against layer ``layer`` of k/v [L, B, KV, S_k, D_pad],
+    keys at or past ``s`` masked; ``ids`` the visibility (positions, starts, segment ids)."""
+    b, t, h, d = q.shape
+    kvh, s_k, dp = k.shape[2], k.shape[3], k.shape[4]
+    g = h // kvh
+    gp = round_up(g, SUBLANES)
+    s_seg = _key_extent(s, block_kv)  # the key segment ids' lane windows
     qg = pad_axis(pad_axis(q.reshape(b, t, kvh, g, d), 3, gp), 4, dp)
-
-    def keys(a):  # [B, S, KV, D] -> [B, KV, S_pad, D_pad]
-        return pad_axis(pad_axis(a.transpose(0, 2, 1, 3), 2, s_pad), 3, dp)
-
-    pos, st, seg, kseg = token_ids(positions, starts, segment_ids, kv_segment_ids, s, s_pad)
-    scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1), jnp.array([s, t], jnp.int32))
-    kv_spec = pl.BlockSpec((None, None, s_pad, dp), lambda i, n, j, *_: (i, n, 0, 0))
+    pos, st, seg, kseg = token_ids(ids.positions, ids.starts, ids.segment_ids, ids.kv_segment_ids, s, s_seg)
+    lengths = jnp.stack([jnp.int32(s), jnp.int32(t), layer])  # the layer: read by K/V's index maps
+    scalars = (pos.reshape(-1), st.reshape(-1), seg.reshape(-1), lengths)
+    kv_spec = pl.BlockSpec((None, None, None, s_k, dp), lambda i, n, j, *r: (r[3][2], i, n, 0, 0))
     tok_spec = pl.BlockSpec((None, None, None, gp, dp), lambda i, n, j, *_: (i, j, n, 0, 0))
-    kseg_spec = pl.BlockSpec((None, 1, s_pad), lambda i, n, j, *_: (i, 0, 0))
+    kseg_spec = pl.BlockSpec((None, 1, s_seg), lambda i, n, j, *_: (i, 0, 0))
     out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
-    specs, operands = [tok_spec, kv_spec, kv_spec, kseg_spec], [qg, keys(k), keys(v), kseg[:, None, :]]
+    specs, operands = [tok_spec, kv_spec, kv_spec, kseg_spec], [qg, k, v, kseg[:, None, :]]
     out = pl.pallas_call(
         functools.partial(_kernel, block_kv=block_kv, scale=d**-0.5),
         out_shape=out_shape,
@@ -149,7 +198,7 @@ def attention(
             out_specs=tok_spec,
         ),
         interpret=interpret_mode(interpret),
-        compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL, vmem_bytes=_vmem_bytes(k, s_pad, dp)),
+        compiler_params=compiler_params(PARALLEL, PARALLEL, PARALLEL, vmem_bytes=_vmem_bytes(k, s_k, dp)),
         name="qarl_attention_tpu",
         # every query against every key at most (causal masking skips about half): QK^T and PV
         cost_estimate=cost(

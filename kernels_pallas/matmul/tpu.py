@@ -163,7 +163,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype, interpret: bool, tili
         out_specs=out_spec,
         scratch_shapes=[pltpu.VMEM((bm, bn), common.acc_dtype(fmt))],
         interpret=interpret_mode(interpret),
-        compiler_params=compiler_params(PARALLEL, PARALLEL, ARBITRARY),
+        compiler_params=compiler_params(PARALLEL, PARALLEL, ARBITRARY, fuse_inputs=len(args)),
         name=f"qarl_{fmt}_matmul_tpu",
         cost_estimate=cost(2 * ops.m_pad * n_pad * k_pad, grid, [*in_specs, out_spec], [*args, out_shape]),
     )(*args)

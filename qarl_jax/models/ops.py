@@ -20,8 +20,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import fused_rows, rowwise
-from kernels_pallas.attention import Visibility
+from kernels_pallas.attention import CacheLayout, Visibility
 from kernels_pallas.attention import attention as invariant_attention
+from kernels_pallas.attention import cached_attention as cached_invariant_attention
 from qarl_jax import sharding
 
 R = TypeVar("R")  # what the per-device function returns: an array or a tuple of them
@@ -34,6 +35,8 @@ def per_device(
     batched: tuple[bool, ...],
     specs: tuple[P | None, ...] | None = None,
     out_specs: P | tuple[P, ...] | None = None,
+    row_axes: tuple[int, ...] | None = None,
+    out_row_axes: tuple[int, ...] | None = None,
 ) -> R:
     """``fn(*args)`` with each device running it on its own batch rows (leading axis of the
     ``batched`` args and of the result) under the active mesh and the logical "batch" rule; other
@@ -43,7 +46,9 @@ def per_device(
     after the rows of each output (a tuple of outputs). Why: under plain jit the SPMD partitioner
     splits a kernel's row-block loop its own way (measured: FSDP layouts changed the bits); inside
     ``shard_map`` every device runs the single-device program. Rows are replicated when the batch
-    does not divide."""
+    does not divide. ``row_axes`` (one per arg) and ``out_row_axes`` (one per output of a tuple):
+    the axis of the rows, if not the first (a stacked KV cache's slots); ``specs`` and
+    ``out_specs`` then name the dims after it."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or mesh.manual_axes:  # no mesh, or already per device
         return fn(*args)
@@ -63,19 +68,26 @@ def per_device(
             batched=tuple(batched[i] for i in present),
             specs=kept,
             out_specs=out_specs,
+            row_axes=None if row_axes is None else tuple(row_axes[i] for i in present),
+            out_row_axes=out_row_axes,
         )
     names = sharding.batch_axes()
-    rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
+    axes = row_axes or (0,) * len(args)
+    rows = next(a.shape[r] for a, b, r in zip(args, batched, axes, strict=True) if b)
     lead = names if names and rows % sharding.axis_ways(names, mesh) == 0 else None
     given = specs or (None,) * len(args)
-    in_specs = tuple(P(lead, *(s or ())) if b else (s or P()) for b, s in zip(batched, given, strict=True))
+    in_specs = tuple(
+        P(*(None,) * r, lead, *(s or ())) if b else (s or P())
+        for b, s, r in zip(batched, given, axes, strict=True)
+    )
     out: P | tuple[P, ...]
     if out_specs is None:
         out = P(lead)
     elif isinstance(out_specs, P):  # one output
         out = P(lead, *out_specs)
     else:
-        out = tuple(P(lead, *o) for o in out_specs)
+        outs = out_row_axes or (0,) * len(out_specs)
+        out = tuple(P(*(None,) * r, lead, *o) for o, r in zip(out_specs, outs, strict=True))
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False)(*args)
 
 
@@ -161,6 +173,48 @@ def attention(
     return per_device(
         invariant_attention, q, k, v, *visibility, batched=batched, specs=specs, out_specs=heads
     )
+
+
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: tuple[jax.Array, jax.Array],
+    layer: jax.Array | int,
+    positions: jax.Array,
+    layout: CacheLayout,
+    tp: TensorParallel | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """This step's k, v [B,T,KV,D] written at ``positions`` [B,T] into layer ``layer`` of the
+    stacked ``cache`` (k, v) of ``layout``, then q [B,T,H,D]'s attention against that layer
+    (:func:`kernels_pallas.attention.cached_attention`: on a TPU the kernel reads the layer where
+    it lies), per device: the cache's slots (axis 1) split like the rows, its heads like q's with
+    ``tp``. Returns (the attention [B,T,H,D], the updated cache). Both steps run per device: the
+    write's view of the cache as rows (see ``CacheLayout.write``) would merge the slots' split."""
+
+    def fn(q, k, v, ck, cv, i, p):
+        ck, cv = layout.write(ck, i, p, k), layout.write(cv, i, p, v)
+        return cached_invariant_attention(q, ck, cv, i, p, layout), ck, cv
+
+    layer = jnp.asarray(layer, jnp.int32)
+    heads = P() if tp is None else P(None, tp.axis, None)
+    axes = layout.axes(None, None if tp is None else tp.axis)
+    stack = P(*axes[2:])  # the dims after the slots
+    out, ck, cv = per_device(
+        fn,
+        q,
+        k,
+        v,
+        *cache,
+        layer,
+        positions,
+        batched=(True, True, True, True, True, False, True),
+        specs=(heads, heads, heads, stack, stack, None, None),
+        out_specs=(heads, stack, stack),
+        row_axes=(0, 0, 0, 1, 1, 0, 0),
+        out_row_axes=(0, 1, 1),
+    )
+    return out, (ck, cv)
 
 
 def softmax(logits: jax.Array) -> jax.Array:

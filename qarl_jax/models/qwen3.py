@@ -16,6 +16,7 @@ Two entry points share the weights:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -27,7 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import fused, rowwise
-from kernels_pallas.attention import Visibility
+from kernels_pallas.attention import CacheLayout, Visibility, cache_layout
 from qarl_jax import quant, sharding
 from qarl_jax.models import moe, ops
 from qarl_jax.models.config import TransformerConfig
@@ -37,25 +38,36 @@ from qarl_jax.models.stacking import layer_runs
 _INIT_STD = 0.02
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer: k, v [layers, batch(slots), max_len, kv_heads, head_dim]."""
+    """Keys and values of every layer, in the layout the backend's attention reads
+    (:class:`kernels_pallas.attention.CacheLayout`, chosen at :meth:`init`): k, v [layers,
+    batch(slots), max_len, kv_heads, head_dim] on the CPU and GPU; [layers, batch, kv_heads,
+    padded length, padded head_dim] on a TPU, whose kernel reads a layer of it in place."""
 
     k: jax.Array
     v: jax.Array
-    # logical axes of k and v: slots split like batch rows, heads like the attention's heads
+    layout: CacheLayout
+    # logical axes of the CPU/GPU layout's k and v: slots split like batch rows, heads like the
+    # attention's heads (:attr:`axes`: any layout's)
     logical_axes: ClassVar[tuple[str | None, ...]] = (None, "batch", None, "kv_heads", None)
 
     @classmethod
     def init(cls, config: TransformerConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-        shape = (config.num_hidden_layers, batch, max_len, config.cache_kv_heads, config.head_dim)
+        layout = cache_layout(max_len, config.head_dim)
+        shape = layout.shape(config.num_hidden_layers, batch, config.cache_kv_heads)
         dtype = dtype or jnp.dtype(config.dtype)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), layout=layout)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.layout.max_len
+
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The logical axes of k and v in this cache's layout."""
+        return self.layout.axes("batch", "kv_heads")
 
 
 def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
@@ -399,9 +411,9 @@ def _expert_axis(c: TransformerConfig) -> str | None:
 
 class DecoderLayer(nn.Module):
     """One decoder layer in scan form: ``(carry, positions, starts, segment_ids) -> (carry, None)``
-    with carry ``(x, cache)``; cache is None (full-sequence forward) or ``(k, v, i)``: the whole
-    stacked KV cache [layers, B, S, KV, D] and this layer's index in it (the next layer's on the
-    way out). The same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
+    with carry ``(x, cache)``; cache is None (full-sequence forward) or ``(kv, i)``: the whole
+    stacked :class:`KVCache` and this layer's index in it (the next layer's on the way out). The
+    same module runs unrolled (``layers_{i}``) or under ``nn.scan``."""
 
     config: TransformerConfig
     layer: int  # its index (the first of its run when scanned: only its kind matters)
@@ -428,14 +440,18 @@ class DecoderLayer(nn.Module):
             out_specs=None if tp is None else (heads, heads, heads),
         )
         q, k, v = (checkpoint_name(a, MATMUL_OUTPUT) for a in (q, k, v))
-        if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
-            ck, cv, i = layer_cache  # the whole stacked cache, written in place at layer i
-            rows = jnp.arange(b)[:, None]
-            ck = ck.at[i, rows, positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, rows, positions].set(v.astype(cv.dtype), mode="drop")
-            k, v, layer_cache = ck[i], cv[i], (ck, cv, i)
         visibility = Visibility(positions, starts, segment_ids, segment_ids)  # packed rows: S == T
-        out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), visibility, tp)
+        if layer_cache is not None:  # write this step's K/V at their positions, attend over the cache
+            cache, i = layer_cache  # the whole stacked cache, written in place at layer i
+            layout = cache.layout
+            if layout.heads_first:  # the TPU kernel reads layer i of the stack where it lies
+                out, (ck, cv) = ops.cached_attention(q, k, v, (cache.k, cache.v), i, positions, layout, tp)
+            else:
+                ck, cv = layout.write(cache.k, i, positions, k), layout.write(cache.v, i, positions, v)
+                out = ops.attention(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), visibility, tp)
+            layer_cache = (KVCache(ck, cv, layout), i)
+        else:
+            out = ops.attention(q, k.astype(q.dtype), v.astype(q.dtype), visibility, tp)
         out = nn.with_logical_constraint(out.reshape(b, t, -1), ("batch", "length", "act_heads"))
         post = {
             "self_attn": {"o_proj": attn_w["o_proj"]},
@@ -459,7 +475,7 @@ class DecoderLayer(nn.Module):
         if c.scan_layers:  # a scan's carry keeps its type (plain XLA matmuls promote to the params')
             x = x.astype(carry[0].dtype)
         if layer_cache is not None:
-            layer_cache = (*layer_cache[:2], layer_cache[2] + 1)
+            layer_cache = (layer_cache[0], layer_cache[1] + 1)
         return (nn.with_logical_constraint(x, ("batch", "length", "act_embed")), layer_cache), None
 
 
@@ -543,7 +559,7 @@ class Qwen3ForCausalLM(nn.Module):
         if self.config.scan_layers:
             for start, stop in layer_runs(self.config):
                 if cache is not None:  # the run's scan counts its layer index from its first layer
-                    carry = (carry[0], (*carry[1][:2], jnp.int32(start)))
+                    carry = (carry[0], (carry[1][0], jnp.int32(start)))
                 carry, _ = self.stack[f"{start}_{stop}"](carry, positions, starts, segment_ids)
             return carry
         for layer in self.layers:
@@ -562,8 +578,8 @@ class Qwen3ForCausalLM(nn.Module):
         """:meth:`decode` up to the final norm: (hidden [B, T, H], cache), for callers that need
         the logits of a few positions only (a prefill needs its last prompt token's)."""
         x = self.embed_tokens(tokens)
-        x, (all_k, all_v, _) = self._decoder(x, (cache.k, cache.v, 0), positions, None, None)
-        return self.norm(x), KVCache(k=all_k, v=all_v)
+        x, (cache, _) = self._decoder(x, (cache, 0), positions, None, None)
+        return self.norm(x), cache
 
 
 def _layer_class(c: TransformerConfig, remat: bool) -> type[nn.Module]:

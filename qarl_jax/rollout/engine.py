@@ -285,7 +285,7 @@ class RolloutEngine:
         with self.context():
             state = self.empty_state()
             if self.mesh is not None:
-                cache = jax.device_put(state.cache, self._cache_sharding(state.cache.k.shape))
+                cache = jax.device_put(state.cache, self._cache_sharding(state.cache))
                 state = dataclasses.replace(state, cache=cache)
             return state
 
@@ -383,11 +383,14 @@ class RolloutEngine:
 
     def kv_cache_bytes_per_device(self) -> int:
         """Bytes of the KV cache (K and V, [layers, slots, max_len, kv_heads, head_dim] in the compute
-        dtype) on one device, sharded as :meth:`init_decode_state` places it."""
+        dtype, padded as the backend's layout pads them) on one device, sharded as
+        :meth:`init_decode_state` places it."""
         c, m = self.config, self.model.config
-        shape: tuple[int, ...] = (m.num_hidden_layers, c.slots, c.max_len, m.cache_kv_heads, m.head_dim)
+        with self.context():
+            cache = jax.eval_shape(lambda: KVCache.init(m, c.slots, c.max_len))
+        shape: tuple[int, ...] = cache.k.shape
         if self.mesh is not None:
-            shape = self._cache_sharding(shape).shard_shape(shape)
+            shape = self._cache_sharding(cache).shard_shape(shape)
         return 2 * int(np.prod(shape)) * jnp.dtype(m.dtype).itemsize
 
     def compilations(self) -> dict[str, int]:
@@ -397,11 +400,12 @@ class RolloutEngine:
 
     # ---- jitted bodies (public: adapters fuse them into their own jitted calls) ----
 
-    def _cache_sharding(self, shape) -> NamedSharding:
-        """Slots over the batch axes and KV heads over tensor, where they divide evenly."""
+    def _cache_sharding(self, cache: KVCache) -> NamedSharding:
+        """Slots over the batch axes and KV heads over tensor, where they divide evenly (``cache``:
+        the cache or its structs, whose layout says which axis is which)."""
         assert self.mesh is not None  # only called for an engine on a mesh
         return NamedSharding(
-            self.mesh, sharding.fitting_spec(shape, KVCache.logical_axes, self.mesh, self.rules)
+            self.mesh, sharding.fitting_spec(cache.k.shape, cache.axes, self.mesh, self.rules)
         )
 
     def context(self):
@@ -464,9 +468,9 @@ class RolloutEngine:
 
     def insert_impl(self, prefix: Prefix, state: DecodeState, cols, seed):
         rows, slots = cols["rows"], cols["slots"]
-        t = prefix.cache.k.shape[2]
-        put = lambda dst, src: dst.at[:, slots, :t].set(src[:, rows].astype(dst.dtype), mode="drop")
-        cache = KVCache(k=put(state.cache.k, prefix.cache.k), v=put(state.cache.v, prefix.cache.v))
+        t, to = prefix.cache.max_len, state.cache.layout
+        put = lambda dst, src: to.put(dst, slots, src, rows, t)  # noqa: E731
+        cache = KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v), to)
         keys = jax.vmap(sample_key, in_axes=(None, 0, 0))(seed, cols["prompt_index"], cols["sample_index"])
         first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
         new: SlotSettings = cols["settings"]

@@ -228,7 +228,7 @@ def _abstract_state(engine: RolloutEngine, mesh: Mesh | None) -> DecodeState:
     state = jax.eval_shape(engine.empty_state)
     if mesh is None:
         return state
-    kv = engine._cache_sharding(state.cache.k.shape)
+    kv = engine._cache_sharding(state.cache)
     rep = NamedSharding(mesh, PartitionSpec())
     placed = jax.tree.map(lambda x: _with_sharding(x, rep), state)
     cache = jax.tree.map(lambda x: _with_sharding(x, kv), state.cache)

@@ -14,7 +14,8 @@ on chip):
               only slices (``dynamic-slice``, ``slice``: a layer out of the stacked weights) counts
               the slices, and a fusion whose root updates an operand in place
               (``dynamic-update-slice``: the KV cache) counts the update, not the whole buffer. A
-              Mosaic kernel (``tpu_custom_call``) counts its ``pl.CostEstimate``'s bytes.
+              Mosaic kernel (``tpu_custom_call``) counts its ``pl.CostEstimate``'s bytes, also
+              where XLA fused its operands' producers into it (a layer sliced out of a stack).
   flops       2 x the products of every ``dot`` and ``convolution`` (in fusions too), and a Mosaic
               kernel's estimate; elementwise work (the VPU's) is left out: the floor is the MXU's.
 
@@ -166,20 +167,22 @@ def program_cost(hlo_text: str, unknown_trips: int | None = None) -> Cost:
         for m in [fusion_of.search(r)]
         if m
     }
+    estimates = _estimates(hlo_text)
     hbm = flops = 0
     for comp, instrs in module.body.items():
         runs = module.runs.get(comp, 0)
-        for _, shape, opcode, rest in instrs:
+        for name, shape, opcode, rest in instrs:
             if opcode in ("dot", "convolution"):  # wherever it is, fused or not
                 flops += _dot_flops(shape, opcode, rest, shapes) * runs
             if not runs or comp in fusions or opcode not in _COUNTED:
                 continue
             operand_shapes = [shapes.get(a, "") for a in _operands(rest)]
-            if opcode == "custom-call" and "tpu_custom_call" in rest:
-                estimate = _estimate(rest)
+            fused = fusion_of.search(rest) if opcode == "fusion" else None
+            kernel = name if opcode == "custom-call" else _fused_kernel(module.body, fused)
+            if kernel in estimates:
+                estimate = estimates[kernel]
                 hbm, flops = hbm + estimate.hbm_bytes * runs, flops + estimate.flops * runs
                 continue
-            fused = fusion_of.search(rest) if opcode == "fusion" else None
             if fused:
                 moved = _fusion_bytes(shape, operand_shapes, module.body.get(fused.group(1), []), module.body)
             elif opcode == "gather":  # the rows it picks (its result), the indices, the result
@@ -190,12 +193,34 @@ def program_cost(hlo_text: str, unknown_trips: int | None = None) -> Cost:
     return Cost(hbm, flops)
 
 
-def _estimate(rest: str) -> Cost:
-    """A Mosaic kernel's ``pl.CostEstimate`` (its backend config), zero where it has none."""
-    config = re.search(r"backend_config=(\{.*\})\s*$", rest)
-    call = json.loads(config.group(1)).get("custom_call_config", {}) if config else {}
-    estimate = call.get("cost_estimate", {})
-    return Cost(int(estimate.get("bytes_accessed", 0)), int(estimate.get("flops", 0)))
+def _fused_kernel(bodies, fused: re.Match | None) -> str | None:
+    """The name of the Mosaic kernel call a ``kCustom`` fusion wraps (XLA fused an operand's
+    producer, a layer's slice of a stack, into the kernel's reads: ``allow_input_fusion``), or None."""
+    body = bodies.get(fused.group(1), []) if fused else []
+    return next((n for n, _, op, r in body if op == "custom-call" and "tpu_custom_call" in r), None)
+
+
+_KERNEL_CALL = re.compile(r'%([\w.\-]+) = [^\n]*custom_call_target="tpu_custom_call"')
+
+
+def _estimates(hlo_text: str) -> dict[str, Cost]:
+    """Each Mosaic kernel call's ``pl.CostEstimate`` (its backend config), by instruction name;
+    zero where it has none. Read from the whole text: a kernel whose operands XLA may fuse prints
+    its backend config over several lines."""
+    decoder = json.JSONDecoder()
+    found = {}
+    for call in _KERNEL_CALL.finditer(hlo_text):
+        at = hlo_text.find("backend_config=", call.end())
+        between = hlo_text[call.end() : at]
+        if at < 0 or "\n  %" in between or "\n  ROOT " in between:  # none before the next instruction
+            config = {}
+        else:
+            config = decoder.raw_decode(hlo_text, at + len("backend_config="))[0]
+        if isinstance(config, str):  # printed as a quoted string
+            config = json.loads(config)
+        estimate = config.get("custom_call_config", {}).get("cost_estimate", {})
+        found[call.group(1)] = Cost(int(estimate.get("bytes_accessed", 0)), int(estimate.get("flops", 0)))
+    return found
 
 
 def floor(chip: Chip, cost: Cost, collective_bytes: int, int8: bool) -> dict[str, float | str]:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Iterator
 
 from qarl_jax.tools.collectives import array_bytes, parse
 
@@ -203,23 +204,28 @@ def _fused_kernel(bodies, fused: re.Match | None) -> str | None:
 _KERNEL_CALL = re.compile(r'%([\w.\-]+) = [^\n]*custom_call_target="tpu_custom_call"')
 
 
-def _estimates(hlo_text: str) -> dict[str, Cost]:
-    """Each Mosaic kernel call's ``pl.CostEstimate`` (its backend config), by instruction name;
-    zero where it has none. Read from the whole text: a kernel whose operands XLA may fuse prints
-    its backend config over several lines."""
+def mosaic_calls(hlo_text: str) -> Iterator[tuple[str, str, dict | None]]:
+    """Each Mosaic kernel call of a compiled TPU program's HLO text, in order: its instruction name,
+    its first line, and its backend config (None where it has none). Read from the whole text: a
+    kernel's cost estimate can put a line break inside its config, and attributes may follow it."""
     decoder = json.JSONDecoder()
-    found = {}
     for call in _KERNEL_CALL.finditer(hlo_text):
+        line = hlo_text[call.start() :].split("\n", 1)[0]
         at = hlo_text.find("backend_config=", call.end())
         between = hlo_text[call.end() : at]
         if at < 0 or "\n  %" in between or "\n  ROOT " in between:  # none before the next instruction
-            config = {}
-        else:
-            config = decoder.raw_decode(hlo_text, at + len("backend_config="))[0]
-        if isinstance(config, str):  # printed as a quoted string
-            config = json.loads(config)
-        estimate = config.get("custom_call_config", {}).get("cost_estimate", {})
-        found[call.group(1)] = Cost(int(estimate.get("bytes_accessed", 0)), int(estimate.get("flops", 0)))
+            yield call.group(1), line, None
+            continue
+        config = decoder.raw_decode(hlo_text, at + len("backend_config="))[0]
+        yield call.group(1), line, json.loads(config) if isinstance(config, str) else config  # quoted
+
+
+def _estimates(hlo_text: str) -> dict[str, Cost]:
+    """Each Mosaic kernel call's ``pl.CostEstimate``, by instruction name; zero where it has none."""
+    found = {}
+    for name, _, config in mosaic_calls(hlo_text):
+        estimate = (config or {}).get("custom_call_config", {}).get("cost_estimate", {})
+        found[name] = Cost(int(estimate.get("bytes_accessed", 0)), int(estimate.get("flops", 0)))
     return found
 
 

@@ -43,6 +43,7 @@ from kernels_pallas.rowwise import rms_norm, rope, token_logprobs
 from qarl_jax import cli
 from qarl_jax.errors import PlanError
 from qarl_jax.models import TransformerConfig, preset
+from qarl_jax.tools.program_cost import mosaic_calls
 
 # a small slice of each generation (the kernels run on one chip of it); TPU v4 has no int8 MXU
 DEFAULT_TOPOLOGIES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1")
@@ -145,18 +146,9 @@ def mosaic_kernels(hlo_text: str) -> list[MosaicKernel]:
     tpu.register_dialect(ctx)
     ctx.allow_unregistered_dialects = True
     kernels = []
-    decoder = json.JSONDecoder()
-    for call in re.finditer(r'custom_call_target="tpu_custom_call"', hlo_text):
-        # the JSON object after the call's backend_config= (read from the whole text: a kernel's
-        # cost estimate can put a line break inside it, and attributes may follow it)
-        at = hlo_text.find("backend_config=", call.end())
-        between = hlo_text[call.end() : at]
-        if at < 0 or "\n  %" in between or "\n  ROOT " in between:  # none before the next instruction
-            line = hlo_text[call.start() :].split("\n", 1)[0]
+    for _, line, config in mosaic_calls(hlo_text):
+        if config is None:
             raise ValueError(f"a tpu_custom_call without a backend_config: {line[:200]}")
-        config, _ = decoder.raw_decode(hlo_text, at + len("backend_config="))
-        if isinstance(config, str):  # printed as a quoted string
-            config = json.loads(config)
         with ctx:
             module = ir.Module.parse(base64.b64decode(config["custom_call_config"]["body"]))
             PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)

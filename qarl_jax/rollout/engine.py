@@ -238,6 +238,9 @@ class RolloutEngine:
         self._insert = jax.jit(self.insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._with_collected(self.generate_impl), donate_argnums=(1,))
         self._release = jax.jit(self._release_impl, donate_argnums=(0,))
+        # the fresh state made on the devices by a jitted call pinned as the others are: placed
+        # exactly as they return it (see state_shardings), and never whole on one device first
+        self._fresh = jax.jit(lambda: self._placed(self.empty_state()))
         self.state: DecodeState | None = None
 
     # ---- weights and memory -------------------------------------------------------------------
@@ -280,14 +283,14 @@ class RolloutEngine:
                 leaf.delete()
 
     def init_decode_state(self) -> DecodeState:
-        """A fresh state on the engine's mesh (not the caller's): zeroed cache (compute dtype),
-        every slot empty."""
+        """A fresh state on the engine's mesh (not the caller's), placed as every call returns it
+        (:meth:`state_shardings`): zeroed cache (compute dtype), every slot empty."""
         with self.context():
-            state = self.empty_state()
             if self.mesh is not None:
-                cache = jax.device_put(state.cache, self._cache_sharding(state.cache))
-                state = dataclasses.replace(state, cache=cache)
-            return state
+                return self._fresh()
+            # off a mesh: committed beside the weights, as every call's output is (left uncommitted,
+            # the fresh state made the next rollout's first insert a second program)
+            return jax.device_put(self.empty_state(), jax.tree.leaves(self.params)[0].sharding)
 
     def empty_state(self) -> DecodeState:
         """The decode state's values before placement (``jax.eval_shape`` of it: its structure)."""
@@ -400,6 +403,27 @@ class RolloutEngine:
 
     # ---- jitted bodies (public: adapters fuse them into their own jitted calls) ----
 
+    def state_shardings(self, state: DecodeState) -> DecodeState:
+        """Where the decode state lives on the engine's mesh (``state``: the state or its structs):
+        the cache as :meth:`_cache_sharding` places it, every per-slot vector split over its slots
+        as the cache's slots are. The calls that return the state pin it there
+        (:meth:`_placed`), so each returns the state placed as it was given and each call is ONE
+        program, compiled once. Why: left to the compiler, a call's output came back placed unlike
+        the fresh state, and every engine compiled its insert twice and its decode step three
+        times (the same program under three input placements: seconds on CPU, minutes at scale)."""
+        assert self.mesh is not None  # only called for an engine on a mesh
+        mesh, rules = self.mesh, self.rules
+        slots = lambda x: sharding.fitting_spec(x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)  # noqa: E731
+        placed = jax.tree.map(lambda x: NamedSharding(mesh, slots(x)), state)
+        kv = self._cache_sharding(state.cache)
+        return dataclasses.replace(placed, cache=jax.tree.map(lambda _: kv, state.cache))
+
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """``state`` pinned to :meth:`state_shardings` inside a jitted body (as is, off a mesh)."""
+        if self.mesh is None:
+            return state
+        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+
     def _cache_sharding(self, cache: KVCache) -> NamedSharding:
         """Slots over the batch axes and KV heads over tensor, where they divide evenly (``cache``:
         the cache or its structs, whose layout says which axis is which)."""
@@ -491,7 +515,7 @@ class RolloutEngine:
             settings=jax.tree.map(set_, state.settings, new),
         )
         valid = slots < self.config.slots
-        return state, StepOutput(tokens, lp, slp, valid, finished & valid)
+        return self._placed(state), StepOutput(tokens, lp, slp, valid, finished & valid)
 
     def generate_impl(self, params, state: DecodeState):
         tokens, positions = state.tokens[:, None], state.positions[:, None]
@@ -511,7 +535,7 @@ class RolloutEngine:
             generated=generated,
             done=state.done | finished,
         )
-        return state, StepOutput(tokens, lp, slp, live, finished)
+        return self._placed(state), StepOutput(tokens, lp, slp, live, finished)
 
     def _release_impl(self, state: DecodeState, slots):
-        return dataclasses.replace(state, done=state.done.at[slots].set(True, mode="drop"))
+        return self._placed(dataclasses.replace(state, done=state.done.at[slots].set(True, mode="drop")))

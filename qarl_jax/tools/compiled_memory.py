@@ -223,13 +223,9 @@ def engine_programs(
 
 
 def _abstract_state(engine: RolloutEngine, mesh: Mesh | None) -> DecodeState:
-    """The engine's DecodeState as structs: the cache sharded as the engine places it, the rest
-    (per-slot vectors) replicated."""
+    """The engine's DecodeState as structs, placed as the engine places it
+    (:meth:`RolloutEngine.state_shardings`): the programs compiled are the ones the run runs."""
     state = jax.eval_shape(engine.empty_state)
     if mesh is None:
         return state
-    kv = engine._cache_sharding(state.cache)
-    rep = NamedSharding(mesh, PartitionSpec())
-    placed = jax.tree.map(lambda x: _with_sharding(x, rep), state)
-    cache = jax.tree.map(lambda x: _with_sharding(x, kv), state.cache)
-    return dataclasses.replace(placed, cache=cache)
+    return jax.tree.map(_with_sharding, state, engine.state_shardings(state))

@@ -51,7 +51,9 @@ def test_layer_major_pass_is_the_chunk_major_pass_bit_for_bit(name, fmt, scan):
     config = preset(name, num_hidden_layers=layers, param_dtype="float32", dtype="bfloat16", scan_layers=scan)
     model = Qwen3ForCausalLM(config, None if fmt is None else quant.QuantSpec(fmt=fmt))
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4))
-    params = jax.device_put(init_params(model, jax.random.key(1)), sharding.param_shardings(model, mesh))
+    # the master weights: the same bits as the quantized model's init, without its quantized forward
+    params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))
+    params = jax.device_put(params, sharding.param_shardings(model, mesh))
     inputs = _inputs(config.vocab_size)
     with sharding.activate(mesh):
         inputs = tuple(jax.device_put(v, sharding.batch_sharding(mesh, 2)) for v in inputs)

@@ -35,7 +35,7 @@ def _jit(fn, *args):
     return jax.jit(fn)(*args)
 
 
-def _stack(params, config):
+def _stack(config, params):
     """Per-layer params and their stacked copy for the scanned config."""
     return config, params, _jit(lambda p: stack_layers(p, config.replace(scan_layers=True)), params)
 
@@ -48,7 +48,7 @@ def _quantized(params, spec):
 def _mixed():
     """MIXED's per-layer params and their stacked copy: the module's one model init (its compile is
     a forward's); the 1-layer MoE and 2-layer dense models below take their layers from it."""
-    return _stack(init_params(Qwen3ForCausalLM(MIXED), jax.random.key(3)), MIXED)
+    return _stack(MIXED, init_params(Qwen3ForCausalLM(MIXED), jax.random.key(3)))
 
 
 def _sub_model(layers: tuple[int, ...], mlp_only_layers: tuple[int, ...]):

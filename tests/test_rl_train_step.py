@@ -35,10 +35,11 @@ def _policy(fmt="w4a16", **overrides):
     """A 1-layer policy: every claim here is about the step around the forward (scoring chunks,
     accumulation, the optimizer, the sharded layout), none about depth, and each layer is a copy of
     its kernels in every compiled step (the scanned and layer-major passes: test_models_scan,
-    test_layer_major)."""
+    test_layer_major). The master weights come from the unquantized model's init: the same bits,
+    and flax's init runs a forward, which the quantized model's would compile quantized."""
     config = preset("qwen3-tiny", num_hidden_layers=1, **overrides)
     model = Qwen3ForCausalLM(config, quant.QuantSpec(fmt=fmt))
-    return model, init_params(model, jax.random.key(0))
+    return model, init_params(Qwen3ForCausalLM(config), jax.random.key(0))
 
 
 @functools.cache

@@ -44,10 +44,16 @@ def _inputs(vocab: int):
     [("qwen3-tiny", "w4a16", True), ("qwen3-moe-tiny", "w8a8", True), ("qwen3-moe-tiny", None, False)],
 )
 def test_layer_major_pass_is_the_chunk_major_pass_bit_for_bit(name, fmt, scan):
-    config = preset(name, num_hidden_layers=3, param_dtype="float32", dtype="bfloat16", scan_layers=scan)
+    """Scanned, one body serves a stack's layers: 3 layers (the MoE's two runs: dense layer 0, a
+    stack of 2). Unrolled, each layer is a copy of its kernels in both compiled programs (their
+    compiles are the test's time): 2 layers, the MoE's dense layer 0 and an MoE layer."""
+    layers = 3 if scan else 2
+    config = preset(name, num_hidden_layers=layers, param_dtype="float32", dtype="bfloat16", scan_layers=scan)
     model = Qwen3ForCausalLM(config, None if fmt is None else quant.QuantSpec(fmt=fmt))
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4))
-    params = jax.device_put(init_params(model, jax.random.key(1)), sharding.param_shardings(model, mesh))
+    # the master weights: the same bits as the quantized model's init, without its quantized forward
+    params = init_params(Qwen3ForCausalLM(config), jax.random.key(1))
+    params = jax.device_put(params, sharding.param_shardings(model, mesh))
     inputs = _inputs(config.vocab_size)
     with sharding.activate(mesh):
         inputs = tuple(jax.device_put(v, sharding.batch_sharding(mesh, 2)) for v in inputs)

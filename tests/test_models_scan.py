@@ -29,11 +29,36 @@ from qarl_jax.tools.routing import routed_experts
 MIXED = preset("qwen3-moe-tiny", num_hidden_layers=3, mlp_only_layers=(0, 1))
 
 
-@functools.cache
-def _params(config=MIXED):
+def _jit(fn, *args):
+    """``fn(*args)`` as one compiled program: run eagerly, a tree function compiles each of its ops
+    for each leaf shape (hundreds of small compiles); the run loop quantizes under jit too."""
+    return jax.jit(fn)(*args)
+
+
+def _stack(config, params):
     """Per-layer params and their stacked copy for the scanned config."""
-    params = init_params(Qwen3ForCausalLM(config), jax.random.key(3))
-    return config, params, stack_layers(params, config.replace(scan_layers=True))
+    return config, params, _jit(lambda p: stack_layers(p, config.replace(scan_layers=True)), params)
+
+
+def _quantized(params, spec):
+    return _jit(lambda p: quantize_params(p, spec), params)
+
+
+@functools.cache
+def _mixed():
+    """MIXED's per-layer params and their stacked copy: the module's one model init (its compile is
+    a forward's); the 1-layer MoE and 2-layer dense models below take their layers from it."""
+    return _stack(MIXED, init_params(Qwen3ForCausalLM(MIXED), jax.random.key(3)))
+
+
+def _sub_model(layers: tuple[int, ...], mlp_only_layers: tuple[int, ...]):
+    """MIXED's embedding, final norm, head and the given layers as a model of its own: the same
+    shapes and initialisation as an init of that config, without compiling one."""
+    _, mixed, _ = _mixed()
+    config = MIXED.replace(num_hidden_layers=len(layers), mlp_only_layers=mlp_only_layers)
+    params = {k: v for k, v in mixed.items() if not k.startswith("layers_")}
+    params.update({f"layers_{i}": mixed[f"layers_{j}"] for i, j in enumerate(layers)})
+    return config, params
 
 
 def test_layer_runs_and_locations():
@@ -55,13 +80,13 @@ def test_scanned_decode_is_bitwise_the_per_layer_model():
     """Same weights, stacked: the scanned init has the stacked tree's structure and shapes; the
     prefill and decode-step logits and the KV cache are bit for bit the per-layer model's (the
     training forward: test_remat_policies_keep_logprobs_and_gradients)."""
-    config, params, stacked = _params()
+    config, params, stacked = _mixed()
     assert layer_runs(config) == ((0, 2), (2, 3))
     scfg = config.replace(scan_layers=True)
     shapes = jax.eval_shape(lambda: init_params(Qwen3ForCausalLM(scfg), jax.random.key(0)))
     assert jax.tree.structure(shapes) == jax.tree.structure(stacked)
     assert [a.shape for a in jax.tree.leaves(shapes)] == [a.shape for a in jax.tree.leaves(stacked)]
-    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked, scfg), params)
+    jax.tree.map(np.testing.assert_array_equal, _jit(lambda s: unstack_layers(s, scfg), stacked), params)
 
     tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, config.vocab_size)
     spec = QuantSpec("w4a16")
@@ -77,8 +102,8 @@ def test_scanned_decode_is_bitwise_the_per_layer_model():
             outs.append(logits)
         return jnp.concatenate(outs, axis=1), cache
 
-    a_logits, a_cache = decode(per_layer, quantize_params(params, per_layer.quant))
-    b_logits, b_cache = decode(scanned, quantize_params(stacked, scanned.quant))
+    a_logits, a_cache = decode(per_layer, _quantized(params, per_layer.quant))
+    b_logits, b_cache = decode(scanned, _quantized(stacked, scanned.quant))
     np.testing.assert_array_equal(b_logits, a_logits)
     np.testing.assert_array_equal(b_cache.k, a_cache.k)
     np.testing.assert_array_equal(b_cache.v, a_cache.v)
@@ -88,9 +113,9 @@ def test_scanned_engine_rollout_equals_scanned_training_bitwise():
     """The core promise on the scanned MoE model: the engine's recorded sampling log-probs (frozen
     w4a16 stacked weights, KV cache, temperature 0.7) are what the scanned training forward
     computes from the master weights, packed two sequences a row."""
-    config, _, stacked = _params()
+    config, _, stacked = _mixed()
     model = Qwen3ForCausalLM(config.replace(scan_layers=True), QuantSpec("w4a16"))
-    engine = RolloutEngine(model, quantize_params(stacked, model.quant), EngineConfig(slots=4, max_len=32))
+    engine = RolloutEngine(model, _quantized(stacked, model.quant), EngineConfig(slots=4, max_len=32))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, config.vocab_size, n).tolist() for n in (3, 4)]
     groups = engine_rollout(engine, prompts, 2, 5, SamplingParams(0.7), ignore_eos=True, progress=False)
@@ -108,7 +133,7 @@ def test_scanned_engine_rollout_equals_scanned_training_bitwise():
 def test_remat_policies_keep_logprobs_and_gradients():
     """full / save_dots on the scanned model, under value_and_grad: the aux log-probs equal the
     per-layer model's without remat bit for bit, the gradients match it (allclose)."""
-    config, params, stacked = _params(preset("qwen3-tiny", num_hidden_layers=2))
+    config, params, stacked = _stack(*_sub_model((0, 1), (0, 1)))  # MIXED's two dense layers
     tokens = jax.random.randint(jax.random.key(2), (2, 11), 0, config.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
 
@@ -120,7 +145,7 @@ def test_remat_policies_keep_logprobs_and_gradients():
         return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
     (_, ref_logp), ref_grads = grad_fn(Qwen3ForCausalLM(config, QuantSpec("w4a16")), False)(params)
-    ref_grads = stack_layers(ref_grads, config.replace(scan_layers=True))
+    ref_grads = _jit(lambda g: stack_layers(g, config.replace(scan_layers=True)), ref_grads)
     assert _layer_class(config.replace(remat_policy="none"), True) is DecoderLayer  # remat off
     for policy in ("full", "save_dots"):
         model = Qwen3ForCausalLM(config.replace(scan_layers=True, remat_policy=policy), QuantSpec("w4a16"))
@@ -135,7 +160,7 @@ def test_remat_policies_keep_logprobs_and_gradients():
 def test_hf_export_import_of_the_stacked_layout(tmp_path):
     """A scanned model's export is the per-layer model's checkpoint (the Hub layout); loading it
     with scan_layers=True gives the stacked tree."""
-    config, params, stacked = _params()
+    config, params, stacked = _mixed()
     scfg = config.replace(scan_layers=True)
     save_pretrained(tmp_path / "stacked", scfg, stacked, max_shard_bytes=1 << 20)
     model, loaded, _ = from_pretrained(tmp_path / "stacked")
@@ -149,7 +174,7 @@ def test_hf_export_import_of_the_stacked_layout(tmp_path):
 def test_routing_read_back_and_sharding_of_stacks():
     """routed_experts gives the same [B, T, MoE layers, top_k] from a scanned forward; the stacked
     axis is replicated ("layers" -> None), the others keep their rules."""
-    config, params, stacked = _params()
+    config, params, stacked = _mixed()
     scfg = config.replace(scan_layers=True)
     tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, config.vocab_size)
 
@@ -157,7 +182,10 @@ def test_routing_read_back_and_sharding_of_stacks():
         _, state = model.apply({"params": p}, tokens, mutable=["intermediates"])
         return routed_experts(state["intermediates"])
 
-    a, b = routes(Qwen3ForCausalLM(config), params), routes(Qwen3ForCausalLM(scfg), stacked)
+    a, b = (
+        jax.jit(functools.partial(routes, m))(p)
+        for m, p in ((Qwen3ForCausalLM(config), params), (Qwen3ForCausalLM(scfg), stacked))
+    )
     assert b.shape == (2, 9, 1, config.num_experts_per_tok)
     np.testing.assert_array_equal(b, a)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
@@ -168,7 +196,7 @@ def test_routing_read_back_and_sharding_of_stacks():
 
 
 def test_orbax_round_trip_of_a_stacked_state(tmp_path):
-    _, _, stacked = _params()
+    _, _, stacked = _mixed()
     state = TrainState(params=stacked, opt_state={}, step=jnp.asarray(5, jnp.int32))
     ckpt = Checkpointer(tmp_path, keep=1, config={"model": {"scan_layers": True}})
     ckpt.save(5, state, {"pos": 1}, seed=0)
@@ -198,7 +226,7 @@ def test_moe_token_chunks_are_bitwise_the_whole_layer(monkeypatch):
     the differentiated forward are this test's time, and per layer."""
     from qarl_jax.models import moe
 
-    config, params, _ = _params(preset("qwen3-moe-tiny", num_hidden_layers=1, mlp_only_layers=()))
+    config, params = _sub_model((2,), ())  # MIXED's MoE layer
     model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, config.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)

@@ -21,7 +21,9 @@ from qarl_jax.rl import logprobs
 @functools.cache
 def _setup(name: str, fmt: str):
     model = Qwen3ForCausalLM(preset(name, num_hidden_layers=1), QuantSpec(fmt))
-    params = init_params(model, jax.random.key(0))
+    # the master weights, the same bits as the quantized model's init, whose program would also
+    # compile its quantized forward (flax's init runs one)
+    params = init_params(Qwen3ForCausalLM(model.config), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 23), 0, model.config.vocab_size)
     return model, params, tokens, jnp.roll(tokens, -1, axis=1)
 

@@ -10,6 +10,7 @@ and the tests' other trainers take the same configurations (the learning rate is
 program) so the run's compilation cache serves them."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -31,16 +32,28 @@ PROMPT, NEW = 4, 6
 
 
 def _policy(fmt="w4a16", **overrides):
-    config = preset("qwen3-tiny", num_hidden_layers=2, **overrides)
+    """A 1-layer policy: every claim here is about the step around the forward (scoring chunks,
+    accumulation, the optimizer, the sharded layout), none about depth, and each layer is a copy of
+    its kernels in every compiled step (the scanned and layer-major passes: test_models_scan,
+    test_layer_major). The master weights come from the unquantized model's init: the same bits,
+    and flax's init runs a forward, which the quantized model's would compile quantized."""
+    config = preset("qwen3-tiny", num_hidden_layers=1, **overrides)
     model = Qwen3ForCausalLM(config, quant.QuantSpec(fmt=fmt))
-    return model, init_params(model, jax.random.key(0))
+    return model, init_params(Qwen3ForCausalLM(config), jax.random.key(0))
+
+
+@functools.cache
+def _freezer(spec: quant.QuantSpec):
+    """The engine's frozen weights of master params, quantized in one compiled program as the run
+    loop does (eagerly, each op compiles on its own for each leaf shape)."""
+    return jax.jit(lambda p: quant.quantize_params(p, spec))
 
 
 def _rollouts(model, params, n_prompts=4, n=4, seed=0, engine=None):
     """Sampled rollouts from the engine with frozen weights (``engine``'s, given one, after handing
     it these: its compiled programs are reused); reward = share of response tokens < 32 (a quarter
     of the vocabulary: about 0.25 for the random policy)."""
-    frozen = quant.quantize_params(params, model.quant)
+    frozen = _freezer(model.quant)(params)
     if engine is None:
         engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=PROMPT + NEW))
     else:
@@ -61,9 +74,7 @@ def _rollouts(model, params, n_prompts=4, n=4, seed=0, engine=None):
 @pytest.fixture(scope="module")
 def setup():
     model, params = _policy()
-    engine = RolloutEngine(
-        model, quant.quantize_params(params, model.quant), EngineConfig(slots=8, max_len=PROMPT + NEW)
-    )
+    engine = RolloutEngine(model, _freezer(model.quant)(params), EngineConfig(slots=8, max_len=PROMPT + NEW))
     batch, _ = _rollouts(model, params, engine=engine)
     return model, params, batch, engine
 
@@ -134,18 +145,19 @@ def test_scoring_in_chunks_changes_no_bit(setup, mesh_cfg):
     mesh = None if mesh_cfg is None else sharding.make_mesh(mesh_cfg)
     p = params if mesh is None else jax.device_put(params, sharding.param_shardings(model, mesh))
     chunked = TrainConfig(num_minibatches=2)  # 2 chunks: as the recompute and KL tests score
-    results = []
-    for train in (TrainConfig(), chunked):
-        trainer = Trainer(model, ObjectiveConfig(), train, OptimizerConfig(), mesh=mesh)
-        results.append(trainer.old_logprobs_and_metrics(p, trainer.shard_batch(batch)))
-    (whole, whole_metrics), (old, metrics) = results
+    whole_trainer = Trainer(model, ObjectiveConfig(), TrainConfig(), OptimizerConfig(), mesh=mesh)
+    whole, whole_metrics = whole_trainer.old_logprobs_and_metrics(p, whole_trainer.shard_batch(batch))
+    trainer = Trainer(model, ObjectiveConfig(), chunked, OptimizerConfig(), mesh=mesh)
+    sharded = trainer.shard_batch(batch)
+    with trainer._context():  # compiled once: the program that runs is the one whose HLO is read
+        scoring = trainer._old_logprobs.lower(p, sharded).compile()
+        old, metrics = scoring(p, sharded)
     np.testing.assert_array_equal(old, whole)
     assert metrics.keys() == whole_metrics.keys() and "truncation_rate" in metrics
     for key in metrics:
         np.testing.assert_array_equal(metrics[key], whole_metrics[key], err_msg=key)
     if mesh is not None:
-        with trainer._context():
-            hlo = trainer._old_logprobs.lower(p, trainer.shard_batch(batch)).compile().as_text()
+        hlo = scoring.as_text()
         _assert_kernels_on_local_rows(hlo, model.config, 1, batch)
         # the collectives are the forward's (weights gathered: once a pass, layer-major, or in the
         # layer loop; the embedding's lookup) and the metrics' sums, none the chunking's
@@ -271,7 +283,7 @@ def test_a_stale_batch_trains_from_the_behaviour_or_the_proximal_policy(setup, e
     proximal policy (recompute) the capped weight pi_prox / pi_behav carries the staleness."""
     model, params, batch, _ = setup
     behaviour, moved, _ = epochs
-    frozen = quant.quantize_params(params, model.quant)  # what the engine ran
+    frozen = _freezer(model.quant)(params)  # what the engine ran
     check = behaviour.behaviour_check(frozen, batch)
     assert check["mismatch_frac_bitwise_equal"] == 1.0 and check["mismatch_kl_k3"] == 0.0
     recompute = Trainer(model, ObjectiveConfig(), _recompute(), OptimizerConfig(learning_rate=EPOCHS_LR))

@@ -23,6 +23,9 @@ STEPS = 3
 # 8 fake devices: 4 decode, 4 train; two updates per batch so the policy moves within a step
 ASYNC = ["rollout.async_steps=1", "rollout.devices=4", "train.num_minibatches=2", f"run.steps={STEPS}"]
 ASYNC += ["run.checkpoint_every=1", "run.eval_every=2", "train.assert_aligned=true"]
+# the 4 layers as one scanned layer (the real-run configs' layout): the schedule, the exactness and
+# the resume do not depend on the depth, and every program compiles one layer, not four
+ASYNC += ["model.scan_layers=true"]
 
 
 def metrics_without_timing(run_dir) -> list[dict]:

@@ -30,7 +30,7 @@ VERDICT_ARMS = ["bf16", "quantized-rollout", "qarl-tbpo"]
 # 550-860 s wall for 100-110 s of CPU.
 TINY = [
     "data.batch_size=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "rollout.max_len=40",
-    "train.num_minibatches=1", "run.eval_prompts=8",
+    "train.num_minibatches=1", "run.eval_prompts=8", "model.scan_layers=true",
 ]  # fmt: skip
 
 

@@ -70,6 +70,24 @@ def test_main_imports_no_heavy_optional_framework():
     assert not set(json.loads(out.replace("'", '"'))) & {"tensorflow", "jetstream", "tensorboardX", "torch"}
 
 
+def test_run_compilation_cache_dir_keeps_the_programs_for_the_next_process(tmp_path):
+    """run.compilation_cache_dir (when $JAX_COMPILATION_CACHE_DIR names none) is where the CLI's
+    compiled programs go: a second process loads them from there instead of compiling (a rerun after
+    a kill starts with the killed run's programs)."""
+    code = (
+        "import sys, jax; from jax import monitoring; from qarl_jax.main import _compilation_cache\n"
+        "seen = []; monitoring.register_event_listener(lambda event, **_: seen.append(event))\n"
+        "_compilation_cache(sys.argv[1]); jax.jit(lambda x: x * 3 + 1)(2.0)\n"
+        "print(sum(e.endswith('/cache_hits') for e in seen), sum(e.endswith('/cache_misses') for e in seen))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cmd = [sys.executable, "-c", code, str(tmp_path / "xla")]
+    counts = [subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout for _ in "12"]
+    assert counts[0].split()[0] == "0" and int(counts[0].split()[1]) > 0, counts  # compiled, stored
+    assert counts[1] == f"{counts[0].split()[1]} 0\n", counts  # every one loaded, none compiled
+    assert any(p.name.endswith("-cache") for p in (tmp_path / "xla").iterdir())
+
+
 def test_main_rejects_unknown_key(capsys):
     assert main(["quant.fmtt=w8a8"]) == 2
     assert "unknown config key quant.fmtt" in capsys.readouterr().err

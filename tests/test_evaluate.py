@@ -35,6 +35,13 @@ from qarl_jax.rewards import extract_choice, grade_choice, grade_math, grade_num
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = REPO / "configs" / "loop_smoke.yaml"
 K = 4
+# The engine's shapes are the reference run's (configs/loop_smoke.yaml: 16 slots, a 64-token cache;
+# its rollouts prefill 4 prompts of <= 32 tokens and insert their 16 samples at once), so the run
+# directory's evaluation loads the reference run's compiled programs: ITEMS prompts x K samples fill
+# the 16 slots in one prefill and one insert (no refills of odd sizes, each its own program), and
+# the cache is the longest prompt (the ARC items', ARC_LONGEST tokens) + MAX_TOKENS = 64 tokens.
+ARC_LONGEST = 36
+MAX_TOKENS = 64 - ARC_LONGEST
 SAMPLED = [
     "--k",
     str(K),
@@ -43,7 +50,7 @@ SAMPLED = [
     "--pass-k",
     "1,2,4",
     "--max-tokens",
-    "24",
+    str(MAX_TOKENS),
     "rollout.slots=16",
 ]
 
@@ -53,7 +60,7 @@ def problems(n: int) -> list[dict]:
     return [source[i] for i in range(n)]
 
 
-ITEMS = 8  # per layout (AIME half as many): every figure and layout is checked at this size
+ITEMS = 4  # per layout: every figure and layout is checked at this size (see K above)
 
 
 def write_benches(where: pathlib.Path) -> list[str]:
@@ -62,17 +69,17 @@ def write_benches(where: pathlib.Path) -> list[str]:
     rng = np.random.default_rng(0)
     files = {
         "math500": [{"problem": r["prompt"], "answer": r["answer"]} for r in rows],
-        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows[: ITEMS // 2]],
+        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows],
         "gsm8k": [{"question": r["prompt"], "answer": r["solution"]} for r in rows],
         "arc": [],
     }
     for r in rows:
         value = int(r["answer"])
-        options, order = [value, value + 1, value - 2, value + 3], rng.permutation(4)
+        options, order = [value, value + 3], rng.permutation(2)  # two: the prompts fit the cache
         files["arc"].append(
             {
                 "question": r["prompt"],
-                "choices": {"text": [str(options[i]) for i in order], "label": ["1", "2", "3", "4"]},
+                "choices": {"text": [str(options[i]) for i in order], "label": ["1", "2"]},
                 "answerKey": str(int(np.flatnonzero(order == 0)[0]) + 1),
             }
         )
@@ -121,7 +128,9 @@ def regrade(kind: str, response: str, reference: str) -> float:
 def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     table, report = run_report
     assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == smoke_run.STEPS
-    assert report["sampling"] == {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
+    sampling = {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": MAX_TOKENS, "seed": 0}
+    assert report["sampling"] == sampling
+    assert report["config"]["rollout"]["max_len"] == 64  # the reference run's cache (see K above)
     (variant,) = report["results"]
     assert variant == "w4a16 (deployed)"
     by_hand_pass2 = {0: 0.0, 1: 1 - 3 / 6, 2: 1 - 1 / 6, 3: 1.0, 4: 1.0}  # 1 - C(4-c, 2) / C(4, 2)

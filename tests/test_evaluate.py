@@ -11,6 +11,7 @@ multiple-choice grader and the layouts by hand."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import os
@@ -38,10 +39,10 @@ K = 4
 # The engine's shapes are the reference run's (configs/loop_smoke.yaml: 16 slots, a 64-token cache;
 # its rollouts prefill 4 prompts of <= 32 tokens and insert their 16 samples at once), so the run
 # directory's evaluation loads the reference run's compiled programs: ITEMS prompts x K samples fill
-# the 16 slots in one prefill and one insert (no refills of odd sizes, each its own program), and
-# the cache is the longest prompt (the ARC items', ARC_LONGEST tokens) + MAX_TOKENS = 64 tokens.
-ARC_LONGEST = 36
-MAX_TOKENS = 64 - ARC_LONGEST
+# the 16 slots in one prefill and one insert (no refills of odd sizes, each its own program), every
+# prompt is <= 32 tokens (the ARC items' 32: one-step questions, two one-digit choices) and the
+# cache is the longest prompt + MAX_TOKENS = 64 tokens.
+MAX_TOKENS = 32
 SAMPLED = [
     "--k",
     str(K),
@@ -60,6 +61,14 @@ def problems(n: int) -> list[dict]:
     return [source[i] for i in range(n)]
 
 
+def one_step_problems(n: int) -> list[dict]:
+    """The first ``n`` one-operation test problems with a one-digit answer (the ARC items: their
+    prompts, with two one-digit choices, are 32 tokens)."""
+    source = SyntheticArithmetic(SyntheticConfig(digits=1, steps=1), seed=5, split="test")
+    rows = (source[i] for i in itertools.count())
+    return list(itertools.islice((r for r in rows if 0 <= int(r["answer"]) <= 9), n))
+
+
 ITEMS = 4  # per layout: every figure and layout is checked at this size (see K above)
 
 
@@ -73,9 +82,9 @@ def write_benches(where: pathlib.Path) -> list[str]:
         "gsm8k": [{"question": r["prompt"], "answer": r["solution"]} for r in rows],
         "arc": [],
     }
-    for r in rows:
+    for r in one_step_problems(ITEMS):
         value = int(r["answer"])
-        options, order = [value, value + 3], rng.permutation(2)  # two: the prompts fit the cache
+        options, order = [value, (value + 3) % 10], rng.permutation(2)
         files["arc"].append(
             {
                 "question": r["prompt"],

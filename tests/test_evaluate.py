@@ -11,6 +11,7 @@ multiple-choice grader and the layouts by hand."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,13 @@ from qarl_jax.rewards import extract_choice, grade_choice, grade_math, grade_num
 REPO = pathlib.Path(__file__).parents[1]
 SMOKE = REPO / "configs" / "loop_smoke.yaml"
 K = 4
+# The engine's shapes are the reference run's (configs/loop_smoke.yaml: 16 slots, a 64-token cache;
+# its rollouts prefill 4 prompts of <= 32 tokens and insert their 16 samples at once), so the run
+# directory's evaluation loads the reference run's compiled programs: ITEMS prompts x K samples fill
+# the 16 slots in one prefill and one insert (no refills of odd sizes, each its own program), every
+# prompt is <= 32 tokens (the ARC items' 32: one-step questions, two one-digit choices) and the
+# cache is the longest prompt + MAX_TOKENS = 64 tokens.
+MAX_TOKENS = 32
 SAMPLED = [
     "--k",
     str(K),
@@ -43,7 +51,7 @@ SAMPLED = [
     "--pass-k",
     "1,2,4",
     "--max-tokens",
-    "24",
+    str(MAX_TOKENS),
     "rollout.slots=16",
 ]
 
@@ -53,7 +61,15 @@ def problems(n: int) -> list[dict]:
     return [source[i] for i in range(n)]
 
 
-ITEMS = 8  # per layout (AIME half as many): every figure and layout is checked at this size
+def one_step_problems(n: int) -> list[dict]:
+    """The first ``n`` one-operation test problems with a one-digit answer (the ARC items: their
+    prompts, with two one-digit choices, are 32 tokens)."""
+    source = SyntheticArithmetic(SyntheticConfig(digits=1, steps=1), seed=5, split="test")
+    rows = (source[i] for i in itertools.count())
+    return list(itertools.islice((r for r in rows if 0 <= int(r["answer"]) <= 9), n))
+
+
+ITEMS = 4  # per layout: every figure and layout is checked at this size (see K above)
 
 
 def write_benches(where: pathlib.Path) -> list[str]:
@@ -62,17 +78,17 @@ def write_benches(where: pathlib.Path) -> list[str]:
     rng = np.random.default_rng(0)
     files = {
         "math500": [{"problem": r["prompt"], "answer": r["answer"]} for r in rows],
-        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows[: ITEMS // 2]],
+        "aime": [{"question": r["prompt"], "answer": int(r["answer"])} for r in rows],
         "gsm8k": [{"question": r["prompt"], "answer": r["solution"]} for r in rows],
         "arc": [],
     }
-    for r in rows:
+    for r in one_step_problems(ITEMS):
         value = int(r["answer"])
-        options, order = [value, value + 1, value - 2, value + 3], rng.permutation(4)
+        options, order = [value, (value + 3) % 10], rng.permutation(2)
         files["arc"].append(
             {
                 "question": r["prompt"],
-                "choices": {"text": [str(options[i]) for i in order], "label": ["1", "2", "3", "4"]},
+                "choices": {"text": [str(options[i]) for i in order], "label": ["1", "2"]},
                 "answerKey": str(int(np.flatnonzero(order == 0)[0]) + 1),
             }
         )
@@ -121,7 +137,9 @@ def regrade(kind: str, response: str, reference: str) -> float:
 def test_figures_equal_hand_computed_from_the_recorded_samples(run_report):
     table, report = run_report
     assert report["checkpoint"]["kind"] == "run" and report["checkpoint"]["step"] == smoke_run.STEPS
-    assert report["sampling"] == {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
+    sampling = {"k": K, "temperature": 1.0, "top_p": 1.0, "max_tokens": MAX_TOKENS, "seed": 0}
+    assert report["sampling"] == sampling
+    assert report["config"]["rollout"]["max_len"] == 64  # the reference run's cache (see K above)
     (variant,) = report["results"]
     assert variant == "w4a16 (deployed)"
     by_hand_pass2 = {0: 0.0, 1: 1 - 3 / 6, 2: 1 - 1 / 6, 3: 1.0, 4: 1.0}  # 1 - C(4-c, 2) / C(4, 2)

@@ -53,10 +53,14 @@ def export_checkpoint(checkpoint: str | pathlib.Path, out: str | pathlib.Path, h
 
         save_pretrained(target, model.config, params, tokenizer)
     else:
+        import jax
+
         from qarl_jax.models.compressed_tensors import save_compressed
         from qarl_jax.rollout.layout import freeze
 
-        save_compressed(target, model.config, freeze(params, config.quant, model), config.quant, tokenizer)
+        # one compiled program, as the loop freezes (and as python -m qarl_jax.main exports)
+        frozen = jax.jit(lambda p: freeze(p, config.quant, model))(params)
+        save_compressed(target, model.config, frozen, config.quant, tokenizer)
     return step
 
 

@@ -43,11 +43,16 @@ def params(name: str):
     return init_params(Qwen3ForCausalLM(config(name)), jax.random.key(7))
 
 
+def frozen_weights(model, name: str):
+    """The rollout's frozen weights: one jitted program (op by op, each op compiled its own)."""
+    return jax.jit(lambda p: quantize_params(p, model.quant))(params(name))
+
+
 @functools.cache
 def rolled(name: str, fmt: str):
     """(model, prompts, [(sequence, rollout log-probs)]) for one cell, computed once."""
     model = Qwen3ForCausalLM(config(name), QuantSpec(fmt))
-    frozen = quantize_params(params(name), model.quant)
+    frozen = frozen_weights(model, name)
     rng = np.random.RandomState(len(fmt) + len(name))
     prompts = [rng.randint(0, model.config.vocab_size, n).astype(np.int32) for n in PROMPT_LENS]
     return model, prompts, rollout(model, frozen, prompts, NEW_TOKENS, seed=3)
@@ -125,7 +130,7 @@ def test_engine_sampling_logprobs_at_temperature_equal_loss_bitwise():
     the sampling log-probs it records are what the loss computes at 0.7, bit for bit."""
     name = "qwen3-tiny"
     model = Qwen3ForCausalLM(config(name), QuantSpec("w4a16"))
-    frozen = quantize_params(params(name), model.quant)
+    frozen = frozen_weights(model, name)
     engine = RolloutEngine(model, frozen, EngineConfig(slots=4, max_len=32))
     rng = np.random.RandomState(0)
     # 4 prompts x 2 samples on 4 slots: two rounds of the same shapes (one prefill, insert, generate)

@@ -43,6 +43,8 @@ def assert_bitwise(report: dict) -> None:
     assert set(report["seq_ratio_quantiles"].values()) == {1.0}
 
 
+@pytest.mark.slow  # 19 s; the fast tier's rollout-vs-trainer guards: test_rl_train_step's aligned step
+# (the engine's samples scored by the RL step), test_alignment_model (8-device training forwards)
 def test_dense_aligned_bitwise_on_data_fsdp_mesh(capsys):
     report = check(capsys, "mesh.data=2", "mesh.fsdp=4")
     assert_bitwise(report)

@@ -77,7 +77,7 @@ for checkpoint in checkpoints:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # the two families' 6 cells in one process: ~75 s on 2 quiet cores
+@pytest.mark.timeout(1800)  # the two families' 6 cells in one process (7 cells: ~75 s on 2 quiet cores)
 def test_aligned_rollout_is_bitwise_on_one_device(tmp_path):
     """Every family's cells in one process on one device (one JAX start-up for all of them)."""
     cells = {family: CELLS for family in sorted(MODELS)}

@@ -122,8 +122,14 @@ def test_ctrl_c_stops_cleanly_naming_the_checkpoint_to_resume(tmp_path, capsys, 
             os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt here, in the loop
 
     monkeypatch.setattr(Checkpointer, "save", save_then_interrupt)
+    # Ctrl-C's handler as an interactive process has it: a process started in the background (`cmd &`
+    # from a script) inherits SIGINT ignored, Python then installs no handler, and the signal was lost
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = ["--config", SMOKE, f"run.output_dir={tmp_path}", "run.steps=50", "run.checkpoint_every=1"]
-    assert main(argv) == 130
+    try:
+        assert main(argv) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == f"qarl: interrupted; rerun the same command to resume from {tmp_path / 'checkpoints' / '1'}"
     assert (tmp_path / "checkpoints" / "1").is_dir()

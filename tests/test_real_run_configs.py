@@ -5,6 +5,7 @@ weights)."""
 
 import pathlib
 
+import flax.linen as nn
 import jax
 import pytest
 
@@ -12,8 +13,9 @@ from qarl_jax import sharding
 from qarl_jax.config import MeshConfig, load_config
 from qarl_jax.models import Qwen3ForCausalLM, preset
 from qarl_jax.quant import QuantSpec, quantize_params
-from qarl_jax.rollout import EngineConfig, layout
+from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 from qarl_jax.tools import compiled_memory
+from qarl_jax.tools.collectives import collective_bytes_by_kind
 from qarl_jax.tools.host_memory import HOST_RAM_GB
 from qarl_jax.tools.memory_plan import (
     HBM_GB,
@@ -103,9 +105,10 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     the training layout (FSDP rules), which the engine decoded on before it had a layout of its
     own, it gathers every sharded frozen weight whole, each step (so at least their full bytes
     arrive); on its own layouts it moves next to nothing: replicated weights (data=8), and for MoE
-    the experts split over expert=8 (each token's routed rows travel, not the weights). The text
-    table and --json carry the same figure. One layer (two for the MoE: its first is dense): what a
-    step moves is per layer, and each layer is one more copy of the same compiled code."""
+    the experts split over expert=8 (each token's routed rows travel, not the weights), and on
+    tensor 2 x data 4 it gathers activations, never a weight. The text table and --json carry the
+    same figure. One layer (two for the MoE: its first is dense): what a step moves is per layer,
+    and each layer is one more copy of the same compiled code."""
     engine = EngineConfig(slots=8, max_len=64)
     moved = {}
     model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1), QuantSpec("w4a16"))
@@ -152,3 +155,32 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     p = dict(hbm_bytes=None, total_bytes=1, peak_phase="update")
     assert compiled_json(cp, p)["programs"]["decode_step"]["collective_bytes"] == moved["data"]["decode_step"]
     assert "moved" in format_compiled(cp, p)
+    _tensor_parallel_decode_gathers_activations_never_a_weight()
+
+
+def _tensor_parallel_decode_gathers_activations_never_a_weight() -> None:
+    """The compiled tensor-parallel decode step (tensor 2 x data 4, the projections in 2 column
+    blocks) all-gathers only [slots, width] activations: no all-gather's result has the shape of a
+    whole projection weight, and all of them together are less than one device's frozen weights.
+    One layer: the check is per layer."""
+    config = preset("qwen3-tiny", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=1)
+    model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
+    mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
+    abstract = compiled_memory.abstract_params(model, None, None)
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(layout.ENGINE_RULES):
+        engine = RolloutEngine(
+            model, frozen, EngineConfig(slots=8, max_len=64), mesh=mesh, rules=layout.ENGINE_RULES
+        )
+        state = compiled_memory._abstract_state(engine, mesh)
+        text = engine._generate.lower(engine.params, state).compile().as_text()
+    weight_shapes = {tuple(x.shape) for x in jax.tree.leaves(frozen) if x.ndim == 2}
+    assert weight_shapes, "no 2-D weight: the test would prove nothing"
+    gathered = [line for line in text.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+    assert gathered, "a tensor-parallel decode step gathers its column products"
+    for line in gathered:  # activations (row blocks of column products, the new tokens' K/V): no weight
+        shape = tuple(int(d) for d in line.split("[", 1)[1].split("]", 1)[0].split(",") if d)
+        assert shape not in weight_shapes, line
+    frozen_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
+    moved = collective_bytes_by_kind(text, unknown_trips=1)  # 2 slots a device: one row block
+    assert 0 < moved["all-gather"] < frozen_bytes  # at these toy widths a block of activations is not small

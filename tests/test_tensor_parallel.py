@@ -1,12 +1,12 @@
 """The tensor-parallel rollout engine's arithmetic on 8 fake CPU devices: a projection computed in
 column blocks on one device is bitwise the same projection split over 2 / 4 / 8 devices, per
-kernel backend (the GPU and TPU kernels in Pallas' interpreter); the engine's decode step gathers
-activations, never a weight; and layouts the arithmetic cannot keep bitwise are refused in one line.
-(The engine against the training forward: test_tools_check_alignment, tensor 2 x expert 2.)"""
+kernel backend (the GPU and TPU kernels in Pallas' interpreter), and layouts the arithmetic cannot
+keep bitwise are refused in one line. (The engine against the training forward:
+test_tools_check_alignment, tensor 2 x expert 2; that its compiled decode step gathers activations,
+never a weight: test_real_run_configs' engine-layout test.)"""
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +17,9 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas import FORMATS, quantize, quantized_matmul
 from qarl_jax import quant
 from qarl_jax.errors import ConfigError
-from qarl_jax.models import Qwen3ForCausalLM, preset
+from qarl_jax.models import preset
 from qarl_jax.quant import QuantSpec
-from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
-from qarl_jax.tools import compiled_memory
-from qarl_jax.tools.collectives import collective_bytes_by_kind
+from qarl_jax.rollout import layout
 
 K, N = 256, 512
 
@@ -110,32 +108,3 @@ def test_layouts_that_cannot_stay_bitwise_are_refused():
     assert layout.check_layout(layout.RolloutMesh(data=2, tensor=4), f32_moe, 8)["tensor"] == 4
     with pytest.raises(ConfigError, match=r"rollout.mesh.tensor=3 does not divide the model's 4 attention"):
         layout.check_layout(layout.RolloutMesh(data=1, tensor=3), BF16_MOE, 3)
-
-
-@pytest.mark.slow  # 14 s
-def test_decode_step_gathers_activations_never_a_weight():
-    """The compiled tensor-parallel decode step (tensor 2 x data 4) all-gathers per layer only
-    [slots, width] activations: no all-gather's result has the shape of a whole projection weight,
-    and all of them together are a small fraction of one device's frozen weights."""
-    # two of qwen3-small's six layers: the check is per layer, and the compile grows with them
-    config = preset("qwen3-small", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=2)
-    model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
-    mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
-    abstract = compiled_memory.abstract_params(model, None, None)
-    frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(layout.ENGINE_RULES):
-        engine = RolloutEngine(
-            model, frozen, EngineConfig(slots=8, max_len=64), mesh=mesh, rules=layout.ENGINE_RULES
-        )
-        state = compiled_memory._abstract_state(engine, mesh)
-        text = engine._generate.lower(engine.params, state).compile().as_text()
-    weight_shapes = {tuple(x.shape) for x in jax.tree.leaves(frozen) if x.ndim == 2}
-    assert weight_shapes, "no 2-D weight: the test would prove nothing"
-    gathered = [line for line in text.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
-    assert gathered, "a tensor-parallel decode step gathers its column products"
-    for line in gathered:  # activations (row blocks of column products, the new tokens' K/V): no weight
-        shape = tuple(int(d) for d in line.split("[", 1)[1].split("]", 1)[0].split(",") if d)
-        assert shape not in weight_shapes, line
-    frozen_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
-    moved = collective_bytes_by_kind(text, unknown_trips=1)  # 2 slots a device: one row block
-    assert 0 < moved["all-gather"] < frozen_bytes  # at these toy widths a block of activations is not small

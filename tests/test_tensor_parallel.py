@@ -39,18 +39,22 @@ def _split(x, w, t: int, **options):
     return np.asarray(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P())), local))
 
 
-def _blocks(x, w, t: int, **options):
-    """The same product in ``t`` column blocks, each its own call, on whole weights per device (the
-    training forward: ``per_device`` runs it in a ``shard_map`` over the devices' rows)."""
-    width = w.n // t
+def _blocks(x, w, ts: tuple[int, ...], **options) -> list:
+    """The same product in ``t`` column blocks for each ``t`` of ``ts``, each block its own call,
+    on whole weights per device (the training forward: ``per_device`` runs it in a ``shard_map``
+    over the devices' rows); one program for every ``t``."""
 
     def blocks(x, w):
-        parts = [quantized_matmul(x, quant.column_slice(w, i * width, width), **options) for i in range(t)]
-        return jnp.concatenate(parts, axis=-1)
+        out = []
+        for t in ts:
+            n = w.n // t
+            parts = [quantized_matmul(x, quant.column_slice(w, i * n, n), **options) for i in range(t)]
+            out.append(jnp.concatenate(parts, axis=-1))
+        return out
 
-    mesh = jax.make_mesh((t,), ("data",), devices=jax.devices()[:t])
+    mesh = jax.make_mesh((max(ts),), ("data",), devices=jax.devices()[: max(ts)])
     fn = jax.shard_map(blocks, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
-    return np.asarray(jax.jit(fn)(x, w))
+    return [np.asarray(y) for y in jax.jit(fn)(x, w)]
 
 
 @pytest.mark.parametrize(  # 4-9 s each: the fast tier keeps w4a16 (the default format)
@@ -60,8 +64,8 @@ def test_column_blocks_on_one_device_equal_the_split_over_2_4_8_devices_cpu(fmt)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((12, K)), jnp.bfloat16)
     w = quantize(jnp.asarray(rng.standard_normal((K, N)), jnp.float32), fmt)
-    for t in (2, 4, 8):
-        np.testing.assert_array_equal(_split(x, w, t), _blocks(x, w, t), err_msg=f"{fmt} tensor={t}")
+    for t, blocks in zip((2, 4, 8), _blocks(x, w, (2, 4, 8)), strict=True):
+        np.testing.assert_array_equal(_split(x, w, t), blocks, err_msg=f"{fmt} tensor={t}")
 
 
 @pytest.mark.parametrize("backend", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])  # tpu: 4 s each
@@ -71,7 +75,7 @@ def test_column_blocks_equal_the_split_in_the_pallas_interpreter(backend, fmt):
     x = jnp.asarray(rng.standard_normal((8, K)), jnp.bfloat16)
     w = quantize(jnp.asarray(rng.standard_normal((K, N)), jnp.float32), fmt, 128 if fmt == "w4a16" else None)
     options = dict(backend=backend, interpret=True)
-    np.testing.assert_array_equal(_split(x, w, 2, **options), _blocks(x, w, 2, **options))
+    np.testing.assert_array_equal(_split(x, w, 2, **options), _blocks(x, w, (2,), **options)[0])
 
 
 def test_quant_dot_blocks_are_the_per_block_calls():
@@ -81,10 +85,12 @@ def test_quant_dot_blocks_are_the_per_block_calls():
     x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
     master = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
     spec = QuantSpec("w4a16")
-    frozen = quant.quantize_params({"q_proj": {"kernel": master}}, spec)["q_proj"]["kernel"]
-    want = _blocks(x, frozen, 4)
-    np.testing.assert_array_equal(np.asarray(quant.dot(x, frozen, spec, "attention", 4)), want)
-    np.testing.assert_array_equal(np.asarray(quant.dot(x, master, spec, "attention", 4)), want)
+    frozen = jax.jit(quant.quantize_params, static_argnums=1)({"q_proj": {"kernel": master}}, spec)
+    frozen = frozen["q_proj"]["kernel"]
+    (want,) = _blocks(x, frozen, (4,))
+    dot = jax.jit(lambda x, w: quant.dot(x, w, spec, "attention", 4))  # one program each, as in a forward
+    np.testing.assert_array_equal(np.asarray(dot(x, frozen)), want)
+    np.testing.assert_array_equal(np.asarray(dot(x, master)), want)
 
 
 BF16_MOE = preset("qwen3-moe-tiny", dtype="bfloat16")  # 4 heads, 2 kv heads, 8 experts

@@ -323,5 +323,4 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     # Qwen3-8B)
     moved = programs["decode_step"]["hbm_bytes"]
     held = out["plan"]["bytes"]["frozen"] + compiled["kv_cache_bytes"]
-    print("RATIO", name, fmt, moved, held, moved / held)  # TEMP
     assert moved <= 2.5 * held, (moved, held)

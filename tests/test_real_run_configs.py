@@ -179,8 +179,9 @@ def _tensor_parallel_decode_gathers_activations_never_a_weight() -> None:
     """The compiled tensor-parallel decode step (tensor 2 x data 4, the projections in 2 column
     blocks) all-gathers only [slots, width] activations: no all-gather's result has the shape of a
     whole projection weight, and all of them together are less than one device's frozen weights.
-    One layer: the check is per layer."""
-    config = preset("qwen3-tiny", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=1)
+    One of qwen3-small's layers: the check is per layer; at qwen3-tiny's widths a block of
+    activations has the shape of a packed weight ([64, 128])."""
+    config = preset("qwen3-small", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=1)
     model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
     mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
     abstract = compiled_memory.abstract_params(model, None, None)

@@ -32,7 +32,7 @@ def test_chunked_prefill_is_bitwise_the_whole_prompt_prefill():
     gives the whole-prompt prefill's K/V and last logits bit for bit, for prompts ending in the
     first, a middle and the last chunk."""
     model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=2, scan_layers=True), QuantSpec("w8a8"))
-    frozen = quantize_params(init_params(model, jax.random.key(0)), model.quant)
+    frozen = jax.jit(quantize_params, static_argnums=1)(init_params(model, jax.random.key(0)), model.quant)
     rng = np.random.RandomState(1)
     prompts = [rng.randint(0, 128, n).tolist() for n in (3, 12, 16)]
     whole = RolloutEngine(model, frozen, EngineConfig(slots=4, max_len=32)).prefill(frozen, prompts)

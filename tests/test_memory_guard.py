@@ -90,11 +90,8 @@ def test_real_run_update_memory_is_bounded(capsys):
     if jax.device_count() < 8:
         pytest.fail("the memory guard needs 8 devices (tests/conftest.py sets 8 fake CPU devices)")
     name, layers = REAL_RUN
-    overrides = ["model.path=null", f"model.num_hidden_layers={layers}"]
-    assert (
-        memory_plan.main(["--config", str(CONFIGS / name), "--compiled", "--platform", "h100", *overrides])
-        == 0
-    )
+    args = ["--config", str(CONFIGS / name), "--compiled", "--platform", "h100", "model.path=null"]
+    assert memory_plan.main([*args, f"model.num_hidden_layers={layers}"]) == 0
     out = capsys.readouterr().out
     assert "compiled (XLA memory_analysis per device, GB)" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}

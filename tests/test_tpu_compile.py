@@ -291,8 +291,8 @@ def test_the_run_compiles_for_a_v5p_slice(name, compute, fmt, capsys):
     step and the prefill (matmuls, attention, RMSNorm, RoPE, log-sum-exp) is one the training
     programs run (same body and tiling; grid and, for attention, the key extent aside). The decode
     step moves at most 2.5x its frozen weights plus its KV cache a step (the cache in the kernel's
-    layout: no per-layer copies of it; the check test_kv_cache_layout's compiled guard was, on the
-    programs compiled here anyway)."""
+    layout: no per-layer copies of it), read off the programs compiled here (once a memory_plan
+    compile of its own in test_kv_cache_layout)."""
     code = memory_plan.main(
         [
             "--topology",

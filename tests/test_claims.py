@@ -49,7 +49,6 @@ CLAIMS: dict[str, list[str] | str] = {
     ],
     "The rollout decodes on its own layout": [
         "tests/test_real_run_configs.py::test_the_engine_layout_stops_the_decode_step_gathering_the_weights",
-        "tests/test_tensor_parallel.py::test_decode_step_gathers_activations_never_a_weight",
         "tests/test_rollout_layout.py::test_bytes_received_hand_derived",
     ],
     "Rollout == training across layouts, real-run settings (CPU, 8 devices)": [

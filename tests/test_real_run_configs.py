@@ -5,15 +5,19 @@ weights)."""
 
 import pathlib
 
+import flax.linen as nn
 import jax
 import pytest
+from tiers import slow_but
 
 from qarl_jax import sharding
 from qarl_jax.config import MeshConfig, load_config
 from qarl_jax.models import Qwen3ForCausalLM, preset
-from qarl_jax.quant import QuantSpec, quantize_params
-from qarl_jax.rollout import EngineConfig, layout
+from qarl_jax.quant import QuantSpec
+from qarl_jax.rollout import EngineConfig, RolloutEngine, layout
 from qarl_jax.tools import compiled_memory
+from qarl_jax.tools.collectives import collective_bytes_by_kind
+from qarl_jax.tools.compiled_memory import Compiled
 from qarl_jax.tools.host_memory import HOST_RAM_GB
 from qarl_jax.tools.memory_plan import (
     HBM_GB,
@@ -51,7 +55,17 @@ REAL_RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REAL_RUNS))
+# the fast tier plans one config of each kind (a dense Qwen3 on a v5p slice, the MoE on GPUs, the
+# Qwen2 family, the 235B's experts split over each host's chips); the whole suite plans them all
+FAST_CONFIGS = (
+    "qwen3_8b_v5p64.yaml",
+    "qwen3_30b_a3b_8gpu.yaml",
+    "qwen2.5_math_1.5b_8gpu.yaml",
+    "qwen3_235b_a22b_v5p256.yaml",
+)
+
+
+@pytest.mark.parametrize("name", slow_but(sorted(REAL_RUNS), *FAST_CONFIGS))
 def test_real_run_config_shards_and_fits(name):
     platform, params = REAL_RUNS[name]
     config = load_config(CONFIGS / name)
@@ -103,52 +117,88 @@ def test_the_engine_layout_stops_the_decode_step_gathering_the_weights():
     the training layout (FSDP rules), which the engine decoded on before it had a layout of its
     own, it gathers every sharded frozen weight whole, each step (so at least their full bytes
     arrive); on its own layouts it moves next to nothing: replicated weights (data=8), and for MoE
-    the experts split over expert=8 (each token's routed rows travel, not the weights). The text
-    table and --json carry the same figure. One layer (two for the MoE: its first is dense): what a
-    step moves is per layer, and each layer is one more copy of the same compiled code."""
-    engine = EngineConfig(slots=8, max_len=64)
-    moved = {}
+    the experts split over expert=8 (each token's routed rows travel, not the weights), and on
+    tensor 2 x data 4 it gathers activations, never a weight. The text table and --json carry the
+    same figure. One layer (two for the MoE: its first is dense): what a step moves is per layer,
+    and each layer is one more copy of the same compiled code. The decode steps alone are compiled
+    (the prefill's figures are another program's)."""
     model = Qwen3ForCausalLM(preset("qwen3-tiny", num_hidden_layers=1), QuantSpec("w4a16"))
     training = sharding.make_mesh(MeshConfig(data=1, fsdp=8), jax.devices()[:8])
-    programs, _ = compiled_memory.engine_programs(
-        model, model.quant, engine, 16, training, sharding.DEFAULT_RULES
-    )
-    moved["fsdp"] = {p.name: p.collective for p in programs}
-    with sharding.activate(training, sharding.DEFAULT_RULES):
-        params = compiled_memory.abstract_params(model, training, sharding.DEFAULT_RULES)
-        frozen = compiled_memory.jitted_outputs(lambda p: quantize_params(p, model.quant), params)
-    sharded = [x for x in jax.tree.leaves(frozen) if not x.sharding.is_fully_replicated]
+    fsdp, placed = _decode_step(model, training, sharding.DEFAULT_RULES)
+    sharded = [x for x in jax.tree.leaves(placed) if not x.sharding.is_fully_replicated]
     assert sharded, "nothing of the tiny model is sharded: the test would prove nothing"
-    assert moved["fsdp"]["decode_step"] >= sum(x.size * x.dtype.itemsize for x in sharded)
+    assert fsdp.collective >= sum(x.size * x.dtype.itemsize for x in sharded)
     replicated = layout.engine_mesh(layout.RolloutMesh(data=8), jax.devices()[:8])
-    programs, _ = compiled_memory.engine_programs(model, model.quant, engine, 16, replicated)
-    moved["data"] = {p.name: p.collective for p in programs}
-    assert moved["data"]["decode_step"] < moved["fsdp"]["decode_step"] / 10  # per-slot vectors only
+    data, _ = _decode_step(model, replicated)
+    assert data.collective < fsdp.collective / 10  # per-slot vectors only
     moe = Qwen3ForCausalLM(preset("qwen3-moe-tiny", num_hidden_layers=2), QuantSpec("w4a16"))
     experts = layout.engine_mesh(layout.RolloutMesh(data=1, expert=8), jax.devices()[:8])
-    moe_programs, _ = compiled_memory.engine_programs(moe, moe.quant, engine, 16, experts)
+    step, placed = _decode_step(moe, experts)
     expert_bytes = sum(
         x.size * x.dtype.itemsize
-        for path, x in jax.tree_util.tree_leaves_with_path(
-            jax.eval_shape(
-                lambda p: quantize_params(p, moe.quant), compiled_memory.abstract_params(moe, None, None)
-            )
-        )
+        for path, x in jax.tree_util.tree_leaves_with_path(placed)
         if "experts" in jax.tree_util.keystr(path)
     )
-    step = {p.name: p.collective for p in moe_programs}["decode_step"]
-    assert 0 < step < expert_bytes / 10, (step, expert_bytes)  # rows move (all-to-all), weights do not
+    # the routed rows move (all-to-all), the experts do not
+    assert 0 < step.collective < expert_bytes / 10, (step.collective, expert_bytes)
+    programs = [data]
     run = {p.name: p.peak for p in programs} | {"weight_sync": 0}
     cp = dict(
         floors=None,  # no TPU topology: no floors
         programs=programs,
         run=run,
         kv_cache=0,
-        peak_program="prefill",
+        peak_program="decode_step",
         total_bytes=1,
         fits=None,
         topology=None,
     )
     p = dict(hbm_bytes=None, total_bytes=1, peak_phase="update")
-    assert compiled_json(cp, p)["programs"]["decode_step"]["collective_bytes"] == moved["data"]["decode_step"]
+    assert compiled_json(cp, p)["programs"]["decode_step"]["collective_bytes"] == data.collective
     assert "moved" in format_compiled(cp, p)
+    _tensor_parallel_decode_gathers_activations_never_a_weight()
+
+
+def _decode_step(model: Qwen3ForCausalLM, mesh, rules=layout.ENGINE_RULES) -> tuple[Compiled, dict]:
+    """(the engine's decode step over 8 slots of 64 tokens compiled on ``mesh`` under ``rules``: the
+    decode step of :func:`compiled_memory.engine_programs`, without its prefill; the frozen weights
+    as the engine places them)."""
+    abstract = compiled_memory.abstract_params(model, None, rules)
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)
+    with sharding.activate(mesh, rules):
+        engine = RolloutEngine(model, frozen, EngineConfig(slots=8, max_len=64), mesh=mesh, rules=rules)
+        state = compiled_memory._abstract_state(engine, mesh)
+        # row_blocks: the CPU row-block loops' trips; at most 8 slots a device are one block
+        step = compiled_memory.compile_memory(
+            "decode_step", engine._generate, engine.params, state, row_blocks=1
+        )
+    return step, engine.params
+
+
+def _tensor_parallel_decode_gathers_activations_never_a_weight() -> None:
+    """The compiled tensor-parallel decode step (tensor 2 x data 4, the projections in 2 column
+    blocks) all-gathers only [slots, width] activations: no all-gather's result has the shape of a
+    whole projection weight, and all of them together are less than one device's frozen weights.
+    One of qwen3-small's layers: the check is per layer; at qwen3-tiny's widths a block of
+    activations has the shape of a packed weight ([64, 128])."""
+    config = preset("qwen3-small", dtype="bfloat16", tensor_blocks=2, num_hidden_layers=1)
+    model = Qwen3ForCausalLM(config, QuantSpec("w4a16"))
+    mesh = layout.engine_mesh(layout.RolloutMesh(data=4, tensor=2), jax.devices()[:8])
+    abstract = compiled_memory.abstract_params(model, None, None)
+    frozen = jax.eval_shape(lambda p: layout.freeze(p, model.quant, model), abstract)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(layout.ENGINE_RULES):
+        engine = RolloutEngine(
+            model, frozen, EngineConfig(slots=8, max_len=64), mesh=mesh, rules=layout.ENGINE_RULES
+        )
+        state = compiled_memory._abstract_state(engine, mesh)
+        text = engine._generate.lower(engine.params, state).compile().as_text()
+    weight_shapes = {tuple(x.shape) for x in jax.tree.leaves(frozen) if x.ndim == 2}
+    assert weight_shapes, "no 2-D weight: the test would prove nothing"
+    gathered = [line for line in text.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+    assert gathered, "a tensor-parallel decode step gathers its column products"
+    for line in gathered:  # activations (row blocks of column products, the new tokens' K/V): no weight
+        shape = tuple(int(d) for d in line.split("[", 1)[1].split("]", 1)[0].split(",") if d)
+        assert shape not in weight_shapes, line
+    frozen_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen))
+    moved = collective_bytes_by_kind(text, unknown_trips=1)  # 2 slots a device: one row block
+    assert 0 < moved["all-gather"] < frozen_bytes  # at these toy widths a block of activations is not small

@@ -25,11 +25,16 @@ from qarl_jax.main import main
 from qarl_jax.models import from_pretrained
 from qarl_jax.rewards import Grader
 from qarl_jax.rl.train_step import Trainer
-from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, eval_set
+from qarl_jax.rollout.overlap import device_groups
+from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, engine_layout, eval_set
 from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
 OVERRIDES = RUN  # tests/hosts.py: 3 steps, one-step-off rollouts, fsdp across both hosts
+# the run's config on this one process (8 devices): half of them decode, as the two hosts' 2 of 4;
+# the trainer's 4 (fsdp=2, data=2) split the batch. Both tests below build the trainer on them: its
+# programs compile once
+ONE_PROCESS = [*OVERRIDES, "rollout.devices=4"]
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +64,15 @@ def test_two_processes_train_one_policy(two_process_run):
         # weights that rolled it out (the train/ check of a stale batch is its behaviour check)
         assert m["train/mismatch_frac_bitwise_equal"] == 1.0
 
-    config = load_config(SMOKE, [f"run.output_dir={run}", *OVERRIDES])
-    mesh = sharding.make_mesh(config.mesh)
+    config = load_config(SMOKE, [f"run.output_dir={run}", *ONE_PROCESS])
+    training, decoding = device_groups(config.rollout.devices)
+    mesh = sharding.make_mesh(config.mesh, training)
     tokenizer = build_tokenizer(config)
     with sharding.activate(mesh, config.mesh.rules), Grader(1) as grader:
         model, params = build_policy(config, mesh)
         # the eval split over two hosts = this single process evaluating every prompt
         frozen = jax.jit(lambda p: quant.quantize_params(p, config.quant))(params)
-        engine = build_engine(config, model, frozen, tokenizer, mesh)
+        engine = build_engine(config, model, frozen, tokenizer, engine_layout(config, decoding))
         held_out = eval_set(config.data, config.run.eval_prompts, tokenizer)
         assert Evaluator(config, engine, tokenizer, grader, held_out, params)(params) == first["eval_before"]
         # the checkpoint both processes wrote = the weights process 0 gathered and exported
@@ -84,9 +90,7 @@ def test_two_processes_train_one_policy(two_process_run):
 @pytest.mark.slow
 def test_one_process_refuses_to_resume_a_two_process_run(two_process_run, capsys):
     run, _, _ = two_process_run
-    # half of this process's 8 devices decode (the two hosts' 2 of 4): the trainer's 4 split the batch
-    more = ["rollout.devices=4", f"run.steps={STEPS + 1}"]
-    assert main(["--config", SMOKE, f"run.output_dir={run}", *OVERRIDES, *more]) == 3
+    assert main(["--config", SMOKE, f"run.output_dir={run}", *ONE_PROCESS, f"run.steps={STEPS + 1}"]) == 3
     assert "was written by 2 process(es), this run has 1" in capsys.readouterr().err
 
 

@@ -13,6 +13,9 @@ preempted run resumes from them.)
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -31,10 +34,6 @@ from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
 OVERRIDES = RUN  # tests/hosts.py: 3 steps, one-step-off rollouts, fsdp across both hosts
-# the run's config on this one process (8 devices): half of them decode, as the two hosts' 2 of 4;
-# the trainer's 4 (fsdp=2, data=2) split the batch. Both tests below build the trainer on them: its
-# programs compile once
-ONE_PROCESS = [*OVERRIDES, "rollout.devices=4"]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +63,9 @@ def test_two_processes_train_one_policy(two_process_run):
         # weights that rolled it out (the train/ check of a stale batch is its behaviour check)
         assert m["train/mismatch_frac_bitwise_equal"] == 1.0
 
-    config = load_config(SMOKE, [f"run.output_dir={run}", *ONE_PROCESS])
-    training, decoding = device_groups(config.rollout.devices)
+    config = load_config(SMOKE, [f"run.output_dir={run}", *OVERRIDES])
+    # this process's 8 devices split as the run's on one process: the trainer's 4 split the batch
+    training, decoding = device_groups(4)
     mesh = sharding.make_mesh(config.mesh, training)
     tokenizer = build_tokenizer(config)
     with sharding.activate(mesh, config.mesh.rules), Grader(1) as grader:
@@ -88,10 +88,16 @@ def test_two_processes_train_one_policy(two_process_run):
 
 
 @pytest.mark.slow
-def test_one_process_refuses_to_resume_a_two_process_run(two_process_run, capsys):
+def test_one_process_refuses_to_resume_a_two_process_run(two_process_run):
+    """The two hosts' command on one process of as many devices (4; this process's 8 would split
+    the batch over 6 training devices, a config error first): refused in one line, exit 3."""
     run, _, _ = two_process_run
-    assert main(["--config", SMOKE, f"run.output_dir={run}", *ONE_PROCESS, f"run.steps={STEPS + 1}"]) == 3
-    assert "was written by 2 process(es), this run has 1" in capsys.readouterr().err
+    argv = [sys.executable, "-m", "qarl_jax.main", "--config", SMOKE, f"run.output_dir={run}", *OVERRIDES]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([*argv, f"run.steps={STEPS + 1}"], env=env, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "was written by 2 process(es), this run has 1" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_incomplete_multihost_flags_name_what_is_missing(capsys):

@@ -22,10 +22,10 @@ SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
 # them: each host's engine gathers them, both processes write pieces of each checkpoint, the export
 # gathers them). One run for what two hosts train, log, checkpoint and export (test_multihost) and
 # what a preempted one must equal once resumed, waiting batches and all (test_pod_hosts), instead of
-# a synchronous and an asynchronous run. 3 steps: a run preempted after step 1 (or 2, see
+# a synchronous and an asynchronous run. 4 steps: a run preempted after step 1 (or 2 or 3, see
 # qarl_jax.run.preemption) has steps left to resume; no regular checkpoint (checkpoint_every=0: the
 # final one only, and a preempted run only the preemption's save); a progress line every step
-STEPS = 3
+STEPS = 4
 RUN = [
     f"run.steps={STEPS}",
     *("rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2"),

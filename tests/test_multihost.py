@@ -33,7 +33,7 @@ from qarl_jax.run.build import build_engine, build_policy, build_tokenizer, engi
 from qarl_jax.run.checkpoint import Checkpointer
 from qarl_jax.run.heldout_eval import Evaluator
 
-OVERRIDES = RUN  # tests/hosts.py: 3 steps, one-step-off rollouts, fsdp across both hosts
+OVERRIDES = RUN  # tests/hosts.py: 4 steps, one-step-off rollouts, fsdp across both hosts
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from qarl_jax.run import distributed
 from qarl_jax.run.preemption import Watch
 from qarl_jax.run.train import train
 
-# the session's two-host run (tests/hosts.py): 3 steps, so a step to be preempted after and steps
+# the session's two-host run (tests/hosts.py): 4 steps, so a step to be preempted after and steps
 # left to resume; one-step-off rollouts, so a batch waits in every host at the preemption; no
 # regular checkpoint, so only the preemption's save can resume it; progress lines on stderr are
 # the event the test waits for

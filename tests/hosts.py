@@ -15,15 +15,23 @@ from dataclasses import dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "loop_smoke.yaml")
-# the two-host runs' shape, beside configs/loop_smoke.yaml: fsdp over all 4 devices (the weights
-# sharded across the two hosts: the engines all-gather them, both processes write pieces of each
-# checkpoint, the export gathers them). One shape for both modules' runs: their programs are
-# compiled once per session (the compilation cache, tests/conftest.py) and loaded by every later run
-SHAPE = ["run.eval_prompts=4", "run.eval_samples=2", "mesh.fsdp=4"]
-# the session's uninterrupted two-host run (:func:`reference`): 4 steps, so that a run preempted
-# after step 1 has steps left to resume; no regular checkpoint (checkpoint_every=0: the final one
-# only, and a preempted run only the preemption's save); a progress line every step on stderr
-RUN = ["run.steps=4", *SHAPE, "run.checkpoint_every=0", "run.progress=true", "run.log_every=1"]
+# the session's two-host run (:func:`reference`), beside configs/loop_smoke.yaml, and the shape of
+# every two-host training run (their programs compiled once per session: the compilation cache,
+# tests/conftest.py): one-step-off rollouts on each host's first device (rollout.devices counts
+# both hosts'), training on the other two with fsdp across the hosts (the weights sharded across
+# them: each host's engine gathers them, both processes write pieces of each checkpoint, the export
+# gathers them). One run for what two hosts train, log, checkpoint and export (test_multihost) and
+# what a preempted one must equal once resumed, waiting batches and all (test_pod_hosts), instead of
+# a synchronous and an asynchronous run. 4 steps: a run preempted after step 1 (or 2 or 3, see
+# qarl_jax.run.preemption) has steps left to resume; no regular checkpoint (checkpoint_every=0: the
+# final one only, and a preempted run only the preemption's save); a progress line every step
+STEPS = 4
+RUN = [
+    f"run.steps={STEPS}",
+    *("rollout.async_steps=1", "rollout.devices=2", "mesh.fsdp=2"),
+    *("run.eval_prompts=4", "run.eval_samples=2", "run.checkpoint_every=0"),
+    *("run.progress=true", "run.log_every=1"),
+]
 
 
 # The child: ``python -m qarl_jax.main`` (runpy), with process 1's OWN programs (its rollout engine

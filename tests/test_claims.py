@@ -84,7 +84,6 @@ CLAIMS: dict[str, list[str] | str] = {
     ],
     "Multi-host (2 processes) == 1 process": [
         "tests/test_multihost.py::test_two_processes_train_one_policy",
-        "tests/test_multihost.py::test_two_processes_with_rollouts_on_devices_of_their_own",
     ],
     "A pod run: run directory in a bucket, hosts that share no disk, preemption": [
         "tests/test_pod_hosts.py::test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly",

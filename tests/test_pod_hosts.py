@@ -1,10 +1,12 @@
 """A Cloud TPU pod's hosts, played by two JAX processes on this machine (CPU devices, as
 tests/test_multihost.py): hosts that do not share the run directory are refused before any work;
-a SIGTERM on one host stops both at one step, saved, and the same command resumes exactly; the
-slice detection reads what a TPU VM states (environment variables, the metadata server).
+a SIGTERM on one host stops both at one step, saved with each host's batch rolled out a step
+ahead, and the same command resumes exactly; the slice detection reads what a TPU VM states
+(environment variables, the metadata server).
 """
 
 import http.server
+import json
 import os
 import signal
 import socket
@@ -13,7 +15,7 @@ import threading
 
 import pytest
 from etils import epath
-from hosts import RUN, SMOKE, finish, rows, start
+from hosts import RUN, SMOKE, STEPS, finish, rows, start
 
 from qarl_jax.config import load_config
 from qarl_jax.errors import Preempted, one_line
@@ -22,8 +24,9 @@ from qarl_jax.run.preemption import Watch
 from qarl_jax.run.train import train
 
 # the session's two-host run (tests/hosts.py): 4 steps, so a step to be preempted after and steps
-# left to resume; no regular checkpoint, so only the preemption's save can resume it; progress
-# lines on stderr are the event the test waits for
+# left to resume; one-step-off rollouts, so a batch waits in every host at the preemption; no
+# regular checkpoint, so only the preemption's save can resume it; progress lines on stderr are
+# the event the test waits for
 OVERRIDES = RUN
 PREEMPTED, HOSTS = 75, 7
 
@@ -49,22 +52,23 @@ def test_hosts_without_a_shared_run_directory_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # three two-process runs, each compiling on a shared 2-core machine
+@pytest.mark.timeout(1200)  # two two-process runs (and the session's), on a shared 2-core machine
 def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactly(
     tmp_path, gcs_bucket, two_host_run
 ):
     """The pod case whole: two hosts that share no disk (two empty working directories), the run
     directory in a bucket (a real GCS API server); SIGTERM to the non-primary host once step 1 is
-    logged; both stop at one step, saved in the bucket; the same command resumes exactly (metrics
-    step by step equal to the session's uninterrupted two-host run, the same command on a local
-    disk); nothing is written to either host's disk."""
+    logged; both stop at one step, saved in the bucket with the batch each host rolled out a step
+    ahead; the same command resumes exactly (metrics step by step equal to the session's
+    uninterrupted two-host run, the same command on a local disk); nothing is written to either
+    host's disk."""
     run = epath.Path(f"{gcs_bucket}/pod-{tmp_path.name}")
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for host in hosts:
         host.mkdir()
     procs = start(str(run), OVERRIDES, tmp_path, "cut", hosts, watch=True)
     for line in procs[0].stderr:  # process 0's progress: SIGTERM to the other host after step 1
-        if line.startswith(b"qarl: step 1/4"):
+        if line.startswith(f"qarl: step 1/{STEPS}".encode()):
             procs[1].send_signal(signal.SIGTERM)
             break
     done = finish(procs, tmp_path, "cut")
@@ -76,12 +80,15 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_the_rerun_resumes_exactl
         stopped.append(line)
     assert stopped[0] == stopped[1]  # one step, one checkpoint, one line on both hosts
     step = int(stopped[0].split("after step ")[1].split()[0])
-    assert 1 <= step < 4
+    assert 1 <= step < STEPS
     assert stopped[0] == (
         f"qarl: preempted: every process stopped after step {step} and saved it in "
         f"{run / 'checkpoints' / str(step)}; run the same command again to resume from there"
     )
     assert [m["step"] for m in rows(run)] == list(range(step + 1))
+    # each host's waiting batch (rolled out with step's weights, for step + 1) is in the checkpoint
+    saved = json.loads((run / "checkpoints" / str(step) / "data" / "metadata").read_text())
+    assert [len(p["pending"]) for p in saved["processes"]] == [1, 1]
 
     done = finish(start(str(run), OVERRIDES, tmp_path, "again", hosts), tmp_path, "again")
     assert [d.rc for d in done] == [0, 0], done[0].err[-3000:] + done[1].err[-3000:]
@@ -188,11 +195,11 @@ class SigtermAfter:
 def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_path, monkeypatch):
     """One process, no jax.distributed: a SIGTERM as step 1's progress line is written stops the
     loop at the end of that step, with checkpoint 1 saved (run.checkpoint_every=0: no other) and
-    the one line; the same config again resumes there and finishes."""
+    the one line; the same config again resumes there and finishes (step 2, the last)."""
     # the smoke config's shapes otherwise: the programs the session's other smoke runs compiled
-    overrides = [f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0"]
+    overrides = [f"run.output_dir={tmp_path}", "run.steps=2", "run.checkpoint_every=0"]
     config = load_config(SMOKE, [*overrides, "run.progress=true", "run.log_every=1"])
-    monkeypatch.setattr(sys, "stderr", SigtermAfter(sys.stderr, "qarl: step 1/3"))
+    monkeypatch.setattr(sys, "stderr", SigtermAfter(sys.stderr, "qarl: step 1/2"))
     with pytest.raises(Preempted) as stopped:
         train(config)
     monkeypatch.undo()
@@ -204,4 +211,4 @@ def test_one_process_stops_at_sigterm_saves_that_step_and_the_rerun_resumes(tmp_
     assert [m["step"] for m in rows(tmp_path)] == [0, 1]
     result = train(config)
     assert result.summary["resumed_from"] == 1
-    assert [m["step"] for m in rows(tmp_path)] == [0, 1, 2, 3]
+    assert [m["step"] for m in rows(tmp_path)] == [0, 1, 2]

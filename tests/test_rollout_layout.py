@@ -129,8 +129,8 @@ def test_engine_on_its_layout_samples_what_one_device_samples():
         frozen = freeze(params)
         engine = RolloutEngine(model, frozen, config, mesh=engine_mesh, rules=layout.ENGINE_RULES)
         out = rollout(engine, prompts, 2, 10, SamplingParams(0.7), seed=3, progress=False)
-        # each call one program, on a mesh too: the state comes back placed as it went in (the
-        # decode step was compiled 3 times, once per placement the state passed through)
+        # each call one program, on a mesh too: the state comes back placed as it went in (before,
+        # the decode step was compiled again for each placement the state passed through: 2 here)
         assert engine.compilations() == {"prefill": 1, "insert": 1, "generate": 1}
         return [(s.tokens, np.asarray(s.sampling_logprobs).tolist()) for g in out for s in g]
 

@@ -409,8 +409,9 @@ class RolloutEngine:
         as the cache's slots are. The calls that return the state pin it there
         (:meth:`_placed`), so each returns the state placed as it was given and each call is ONE
         program, compiled once. Why: left to the compiler, a call's output came back placed unlike
-        the fresh state, and every engine compiled its insert twice and its decode step three
-        times (the same program under three input placements: seconds on CPU, minutes at scale)."""
+        the fresh state, and an engine on a mesh compiled its insert up to twice and its decode step
+        up to three times (the same program under each input placement: seconds on CPU, minutes
+        at scale)."""
         assert self.mesh is not None  # only called for an engine on a mesh
         mesh, rules = self.mesh, self.rules
         slots = lambda x: sharding.fitting_spec(x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh, rules)  # noqa: E731
